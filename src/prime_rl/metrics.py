@@ -1,0 +1,120 @@
+"""Metrics sinks: JSONL in the run directory, a one-line console summary, optional W&B.
+
+Monitoring never crashes training: a failing sink is reported once and switched off.
+Keys are prefixed (`loss/`, `reward/`, `perf/`, `time/`, ...).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Any, Protocol
+
+from prime_rl.config import WandbConfig
+from prime_rl.rundir import append_jsonl, metrics_path
+
+
+class Sink(Protocol):
+    def log(self, row: dict[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class NullSink:
+    def log(self, row: dict[str, Any]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class JsonlSink:
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def log(self, row: dict[str, Any]) -> None:
+        append_jsonl(self.path, row)
+
+    def close(self) -> None:
+        pass
+
+
+class ConsoleSink:
+    """One line per row, only the keys named in ``keys`` (in that order)."""
+
+    def __init__(self, process: str, keys: tuple[str, ...]):
+        self.process, self.keys = process, keys
+
+    def log(self, row: dict[str, Any]) -> None:
+        parts = [f"step {row.get('step', '?')}"]
+        for key in self.keys:
+            if key in row:
+                value = row[key]
+                parts.append(f"{key} {value:.4g}" if isinstance(value, float) else f"{key} {value}")
+        print(f"[{self.process}] " + " | ".join(parts), flush=True)
+
+    def close(self) -> None:
+        pass
+
+
+class WandbSink:
+    def __init__(self, config: WandbConfig, process: str, run_name: str, settings: dict[str, Any]):
+        import wandb  # optional dependency: only imported when configured
+
+        self.run = wandb.init(
+            project=config.project,
+            entity=config.entity,
+            name=f"{config.name or run_name}-{process}",
+            mode=config.mode,
+            config=settings,
+            reinit=True,
+        )
+
+    def log(self, row: dict[str, Any]) -> None:
+        self.run.log({k: v for k, v in row.items() if isinstance(v, int | float)}, step=row.get("step"))
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class Metrics:
+    """Fan a row out to every sink; a sink that raises is disabled with one warning."""
+
+    def __init__(self, process: str, sinks: list[Sink]):
+        self.process = process
+        self.sinks = sinks
+        self._start = time.time()
+
+    def log(self, step: int, values: dict[str, Any]) -> None:
+        row = {"process": self.process, "step": step, "time": round(time.time() - self._start, 3), **values}
+        for sink in list(self.sinks):
+            try:
+                sink.log(row)
+            except Exception as e:  # noqa: BLE001 - monitoring must never stop training
+                print(f"[{self.process}] metrics sink {type(sink).__name__} failed and is disabled: {e}", file=sys.stderr)
+                self.sinks.remove(sink)
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            try:
+                sink.close()
+            except Exception:  # noqa: BLE001
+                pass
+
+
+def make_metrics(
+    process: str,
+    run_dir: Path,
+    console_keys: tuple[str, ...],
+    wandb: WandbConfig | None = None,
+    settings: dict[str, Any] | None = None,
+) -> Metrics:
+    sinks: list[Sink] = [JsonlSink(metrics_path(run_dir)), ConsoleSink(process, console_keys)]
+    if wandb is not None and wandb.mode != "disabled":
+        try:
+            sinks.append(WandbSink(wandb, process, Path(run_dir).name, settings or {}))
+        except Exception as e:  # noqa: BLE001 - W&B is never needed
+            print(f"[{process}] W&B disabled: {e}", file=sys.stderr)
+    return Metrics(process, sinks)

@@ -1,0 +1,117 @@
+"""Layout of the run directory shared by the three processes.
+
+    RUN/
+      configs/{trainer,orchestrator,inference}.json   resolved configs (written by the launcher)
+      logs/{trainer,orchestrator,inference}.log       one log per process
+      weights/step_N/                                 HF safetensors of policy version N
+      weights/step_N/STABLE                           marker, written last: only then does step N exist
+      metrics.jsonl                                   one JSON row per process per step
+
+A directory handoff is complete only once its marker exists; readers act on the
+marker alone. Writers fill ``step_N.tmp`` first and rename it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+MARKER = "STABLE"
+PROCESSES = ("inference", "orchestrator", "trainer")
+_STEP_DIR = re.compile(r"step_(\d+)")
+
+
+def configs_dir(run: Path) -> Path:
+    return Path(run) / "configs"
+
+
+def config_path(run: Path, process: str) -> Path:
+    return configs_dir(run) / f"{process}.json"
+
+
+def logs_dir(run: Path) -> Path:
+    return Path(run) / "logs"
+
+
+def log_path(run: Path, process: str) -> Path:
+    return logs_dir(run) / f"{process}.log"
+
+
+def metrics_path(run: Path) -> Path:
+    return Path(run) / "metrics.jsonl"
+
+
+def weights_dir(run: Path) -> Path:
+    return Path(run) / "weights"
+
+
+def weights_step_dir(run: Path, step: int) -> Path:
+    return weights_dir(run) / f"step_{step}"
+
+
+def complete_steps(parent: Path) -> list[int]:
+    """Steps under ``parent`` whose ``step_N`` directory holds the marker, ascending."""
+    parent = Path(parent)
+    if not parent.is_dir():
+        return []
+    steps = []
+    for child in parent.iterdir():
+        match = _STEP_DIR.fullmatch(child.name)
+        if match and (child / MARKER).is_file():
+            steps.append(int(match.group(1)))
+    return sorted(steps)
+
+
+def latest_weights_step(run: Path) -> int | None:
+    steps = complete_steps(weights_dir(run))
+    return steps[-1] if steps else None
+
+
+def begin_step_dir(parent: Path, step: int) -> Path:
+    """A fresh temporary directory to fill before ``finish_step_dir``."""
+    tmp = Path(parent) / f"step_{step}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def finish_step_dir(tmp: Path, step: int) -> Path:
+    """Rename ``step_N.tmp`` to ``step_N`` and write the marker last."""
+    final = tmp.parent / f"step_{step}"
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    marker = final / MARKER
+    with open(marker, "w") as f:
+        f.write(f"{step}\n")
+        f.flush()
+        os.fsync(f.fileno())
+    return final
+
+
+def prune_step_dirs(parent: Path, keep_last: int) -> None:
+    """Delete all but the newest ``keep_last`` complete step directories."""
+    for step in complete_steps(parent)[:-keep_last]:
+        victim = Path(parent) / f"step_{step}"
+        # Remove the marker first so a reader never sees a half-deleted complete step.
+        (victim / MARKER).unlink(missing_ok=True)
+        shutil.rmtree(victim, ignore_errors=True)
+
+
+def append_jsonl(path: Path, row: dict) -> None:
+    """Append one row with a single write (O_APPEND), so concurrent writers don't interleave."""
+    line = (json.dumps(row, separators=(",", ":")) + "\n").encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line)
+    finally:
+        os.close(fd)
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    path = Path(path)
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -1,0 +1,163 @@
+"""Config layering: model defaults, then TOML/JSON files, then dotted CLI flags.
+
+Every config field is a flag: `max_steps` -> `--max-steps 10`, `trainer.optim.lr` ->
+`--trainer.optim.lr 1e-5`, booleans also as `--flag` / `--no-flag`. Values stay strings
+and pydantic converts them (so `--max-steps ten` fails naming the field). Errors come
+out as one line per problem naming the key and its section.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+from typing import Any, TypeVar, get_args, get_origin
+
+from pydantic import BaseModel, ValidationError
+
+M = TypeVar("M", bound=BaseModel)
+
+
+class ConfigError(ValueError):
+    """A config that must not start a run; the message is ready for the user."""
+
+
+def read_config_file(path: Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} not found")
+    try:
+        if path.suffix == ".json":
+            return json.loads(path.read_text())
+        return tomllib.loads(path.read_text())
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{path}: not valid {'JSON' if path.suffix == '.json' else 'TOML'}: {e}") from None
+
+
+def deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def parse_flags(args: list[str]) -> dict[str, Any]:
+    """`--a.b-c 1 --flag --no-other` -> {"a": {"b_c": "1"}, "flag": True, "other": False}."""
+    tree: dict[str, Any] = {}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or arg == "--":
+            raise ConfigError(f"unexpected argument {arg!r} (flags look like --section.key value)")
+        key, eq, inline = arg[2:].partition("=")
+        if eq:
+            value: Any = inline
+        elif i + 1 < len(args) and not args[i + 1].startswith("--"):
+            value = args[i + 1]
+            i += 1
+        elif key.startswith("no-"):
+            key, value = key[3:], False
+        else:
+            value = True
+        if isinstance(value, str) and value[:1] in "[{":
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError:
+                pass
+        parts = [p.replace("-", "_") for p in key.split(".")]
+        node = tree
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"flag --{key} conflicts with an earlier flag")
+        node[parts[-1]] = value
+        i += 1
+    return tree
+
+
+def format_validation_error(error: ValidationError, source: str = "config") -> str:
+    lines = []
+    seen: set[tuple[str, str]] = set()  # a shared field copied into sections fails once per copy
+    for err in error.errors():
+        signature = (err["msg"], repr(err.get("input")))
+        if signature in seen:
+            continue
+        seen.add(signature)
+        loc = [str(p) for p in err["loc"]]
+        key = ".".join(loc)
+        section = ".".join(loc[:-1]) or "top level"
+        if err["type"] == "extra_forbidden":
+            lines.append(f"{source}: unknown key `{loc[-1]}` in [{section}]")
+        elif err["type"] == "missing":
+            lines.append(f"{source}: missing required key `{key}`")
+        else:
+            msg = err["msg"].removeprefix("Value error, ")
+            given = err.get("input")
+            shown = "" if isinstance(given, dict | list) or not loc else f" (got {given!r})"
+            lines.append(f"{source}: {key or 'config'}: {msg}{shown}")
+    return "\n".join(lines)
+
+
+def load_config(cls: type[M], files: list[Path], flags: list[str]) -> M:
+    """Defaults < files (in order) < flags; raises ConfigError with one line per problem."""
+    data: dict[str, Any] = {}
+    for path in files:
+        data = deep_merge(data, read_config_file(path))
+    data = deep_merge(data, parse_flags(flags))
+    source = " + ".join([str(f) for f in files] + (["flags"] if flags else [])) or "defaults"
+    try:
+        return cls.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(format_validation_error(e, source)) from None
+    except ValueError as e:  # raised outside field validation (e.g. shared-field conflicts)
+        raise ConfigError(f"{source}: {e}") from None
+
+
+def split_argv(argv: list[str]) -> tuple[list[Path], list[str]]:
+    """Leading positional arguments are config files; the rest are flags."""
+    files = []
+    i = 0
+    while i < len(argv) and not argv[i].startswith("--"):
+        files.append(Path(argv[i]))
+        i += 1
+    return files, argv[i:]
+
+
+def help_text(cls: type[BaseModel], prefix: str = "") -> list[str]:
+    """One line per field: `--dotted.flag  TYPE  default  docstring`."""
+    lines = []
+    for name, field in cls.model_fields.items():
+        flag = f"{prefix}{name}".replace("_", "-")
+        nested = _model_type(field.annotation)
+        if nested is not None:
+            if field.description:
+                lines.append(f"[{flag}] {field.description}")
+            lines.extend(help_text(nested, prefix=f"{prefix}{name}."))
+            continue
+        default = "" if field.is_required() else f" (default: {field.default!r})"
+        lines.append(f"  --{flag}{default}\n      {field.description or ''}")
+    return lines
+
+
+def _model_type(annotation: Any) -> type[BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    if get_origin(annotation) is not None and get_origin(annotation) is not list:
+        for arg in get_args(annotation):
+            found = _model_type(arg)
+            if found is not None:
+                return found
+    return None
+
+
+def process_config(cls: type[M], argv: list[str]) -> M:
+    """Entry of a single process: `python -m trainer.rl [CONFIG...] [--flags]` (JSON or TOML)."""
+    files, flags = split_argv(argv)
+    if "--config" in flags:  # also accept `--config PATH`
+        i = flags.index("--config")
+        files.append(Path(flags[i + 1]))
+        flags = flags[:i] + flags[i + 2 :]
+    return load_config(cls, files, flags)

@@ -1,0 +1,136 @@
+"""Config schema: layering, shared fields, the flat hosted form, and one-line errors."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers import REPO
+from prime_rl.config import KNOWN_ENVIRONMENTS, RLConfig, SFTConfig
+from prime_rl.settings import ConfigError, load_config, parse_flags
+
+FLAT_FORM = """
+model = "Qwen/Qwen3-0.6B"
+max_steps = 500
+batch_size = 256
+rollouts_per_example = 8
+[sampling]
+max_tokens = 512
+[[env]]
+id = "primeintellect/reverse-text"
+args = { min_turns = 3, max_turns = 5, power_per_turn = false }
+[wandb]
+project = "alphabet-sort"
+name = "qwen3-30b-i-alphabet-sort"
+"""
+
+
+def write(tmp_path: Path, text: str, name: str = "c.toml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def test_every_shipped_toml_parses():
+    configs = sorted((REPO / "configs").rglob("*.toml"))
+    assert configs, "no configs shipped"
+    for path in configs:
+        cls = SFTConfig if path.stem.startswith("sft") else RLConfig
+        load_config(cls, [path], [])
+
+
+def test_flat_hosted_form_is_accepted_and_fills_sections(tmp_path):
+    cfg = load_config(RLConfig, [write(tmp_path, FLAT_FORM)], [])
+    assert cfg.orchestrator.batch_size == 256 and cfg.orchestrator.rollouts_per_example == 8
+    assert cfg.orchestrator.sampling.max_tokens == 512
+    assert cfg.orchestrator.env[0].args["max_turns"] == 5
+    assert cfg.trainer.max_steps == cfg.orchestrator.max_steps == 500
+    assert cfg.trainer.model.name == cfg.orchestrator.model == cfg.inference.model == "Qwen/Qwen3-0.6B"
+    assert cfg.trainer.wandb.project == cfg.orchestrator.wandb.project == "alphabet-sort"
+
+
+def test_unknown_environment_names_known_ids(tmp_path):
+    text = FLAT_FORM.replace("primeintellect/reverse-text", "primeintellect/alphabet-sort")
+    with pytest.raises(ConfigError) as e:
+        load_config(RLConfig, [write(tmp_path, text)], [])
+    msg = str(e.value)
+    assert "alphabet-sort" in msg and all(k in msg for k in KNOWN_ENVIRONMENTS)
+    assert len(msg.splitlines()) == 1
+
+
+def test_cli_flags_override_toml_and_use_kebab_dotted_names(tmp_path):
+    path = write(tmp_path, FLAT_FORM)
+    cfg = load_config(RLConfig, [path], ["--max-steps", "10", "--trainer.optim.lr", "1e-5", "--output-dir", "x/y"])
+    assert cfg.trainer.max_steps == 10 and cfg.orchestrator.max_steps == 10
+    assert cfg.trainer.optim.lr == 1e-5
+    assert str(cfg.trainer.output_dir) == "x/y" == str(cfg.orchestrator.output_dir)
+
+
+def test_parse_flags_shapes():
+    assert parse_flags(["--a.b-c", "1", "--flag", "--no-other", "--x=2"]) == {
+        "a": {"b_c": "1"},
+        "flag": True,
+        "other": False,
+        "x": "2",
+    }
+
+
+@pytest.mark.parametrize(
+    "text, flags, expected",
+    [
+        ("[trainer]\nlrr = 1\n", [], "unknown key `lrr` in [trainer]"),
+        ("", ["--trainer.optim.lrr", "1"], "unknown key `lrr` in [trainer.optim]"),
+        ("max_steps = 'ten'\n", [], "max_steps"),
+        ("[trainer.optim]\nlr = -1\n", [], "trainer.optim.lr"),
+        ("batch_size = 10\nrollouts_per_example = 4\n", [], "must be divisible by rollouts_per_example"),
+        ("async_level = -1\n", [], "async_level"),
+        ("max_steps = 3\n[trainer]\nmax_steps = 4\n", [], "conflicting values: `max_steps`"),
+        ("[orchestrator.sampling]\ntemperature = 0\n", [], "orchestrator.sampling.temperature"),
+    ],
+)
+def test_bad_configs_fail_with_one_line_naming_the_key(tmp_path, text, flags, expected):
+    with pytest.raises(ConfigError) as e:
+        load_config(RLConfig, [write(tmp_path, text)], flags)
+    assert expected in str(e.value)
+    assert len(str(e.value).splitlines()) == 1, str(e.value)
+
+
+def test_typo_exits_nonzero_before_any_process_starts(tmp_path):
+    run_dir = tmp_path / "run"
+    path = write(tmp_path, f'output_dir = "{run_dir}"\n[trainer]\nlrr = 1\n')
+    proc = subprocess.run([sys.executable, "-m", "prime_rl.cli", str(path), "--no-tmux"], capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert "unknown key `lrr` in [trainer]" in proc.stderr
+    assert not run_dir.exists(), "a rejected config must not touch the run directory"
+
+
+def test_missing_model_path_is_rejected(tmp_path):
+    path = write(tmp_path, f'model = "{tmp_path}/nope/model"\noutput_dir = "{tmp_path}/run"\n')
+    proc = subprocess.run([sys.executable, "-m", "prime_rl.cli", str(path), "--dry-run"], capture_output=True, text=True)
+    assert proc.returncode == 2 and "does not exist" in proc.stderr and "trainer.model.name" in proc.stderr
+
+
+def test_dry_run_writes_each_process_config(tmp_path, tiny_model):
+    run_dir = tmp_path / "run"
+    path = write(tmp_path, f'model = "{tiny_model}"\noutput_dir = "{run_dir}"\nmax_steps = 7\n')
+    proc = subprocess.run([sys.executable, "-m", "prime_rl.cli", str(path), "--dry-run"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    from prime_rl.config import InferenceConfig, OrchestratorConfig, TrainerConfig
+
+    for name, cls in [("trainer", TrainerConfig), ("orchestrator", OrchestratorConfig), ("inference", InferenceConfig)]:
+        resolved = cls.model_validate_json((run_dir / "configs" / f"{name}.json").read_text())
+        assert getattr(resolved, "max_steps", 7) == 7
+    assert not (run_dir / "weights").exists()
+
+
+def test_help_lists_documented_flags():
+    proc = subprocess.run([sys.executable, "-m", "prime_rl.cli", "--help"], capture_output=True, text=True)
+    assert proc.returncode == 0
+    assert "--trainer.optim.lr" in proc.stdout and "AdamW learning rate" in proc.stdout
+
+
+def test_contracts_do_not_import_torch_or_vllm():
+    code = "import sys, prime_rl.cli, prime_rl.wire, prime_rl.metrics; print(sorted(m for m in ('torch','vllm') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
