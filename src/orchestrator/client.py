@@ -1,0 +1,186 @@
+"""Inference client: chat completions with exact token ids and logprobs, plus the admin
+calls of a vLLM server (health, weight reload).
+
+Speaks plain HTTP (httpx) to vLLM's OpenAI-compatible server. vLLM-specific request
+fields: ``return_token_ids`` makes it return ``prompt_token_ids`` (top level) and
+``choices[i].token_ids``; ``logprobs: true`` gives ``choices[i].logprobs.content[j].logprob``
+(-9999.0 stands for -inf). No per-request ``seed``: it can crash the CPU engine
+(MACHINE_FACTS).
+
+The client knows nothing about environments, steps or the run directory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+from prime_rl.config import ClientConfig
+
+# /reset_prefix_cache answers 200 with {"success": false} while KV blocks are still held;
+# vLLM's docs say to retry. After /pause?mode=wait nothing runs, so a few tries suffice.
+_RESET_RETRIES = 20
+_RESET_RETRY_S = 0.05
+
+
+class InferenceError(RuntimeError):
+    """The inference server answered something unusable, or not at all."""
+
+
+@dataclass(frozen=True)
+class ChatResult:
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    completion_logprobs: list[float]
+    """Sampler logprob of each completion token, same length as ``completion_ids``."""
+
+    text: str
+    finish_reason: str | None
+
+
+class InferenceClient:
+    def __init__(self, config: ClientConfig, model_name: str):
+        self.config = config
+        self.model_name = model_name
+        self.base_url = config.base_url.rstrip("/")
+        headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+        self._http = httpx.AsyncClient(
+            base_url=self.base_url,
+            headers=headers,
+            timeout=httpx.Timeout(config.timeout_s),
+            # One connection per concurrent request, so the semaphore is the only limit.
+            limits=httpx.Limits(
+                max_connections=config.max_concurrency, max_keepalive_connections=config.max_concurrency
+            ),
+        )
+        self._slots = asyncio.Semaphore(config.max_concurrency)
+
+    async def close(self) -> None:
+        await self._http.aclose()
+
+    # ----------------------------------------------------------------------- sampling
+
+    async def chat(self, messages: list[dict[str, Any]], *, max_tokens: int, temperature: float) -> ChatResult:
+        body = {
+            "model": self.model_name,
+            "messages": messages,
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+            "logprobs": True,
+            "return_token_ids": True,
+            "n": 1,
+        }
+        async with self._slots:
+            response = await self._post("/v1/chat/completions", json=body)
+        return parse_chat_response(response.json())
+
+    # ----------------------------------------------------------------------- admin
+
+    async def wait_healthy(self, timeout_s: float, poll_s: float = 0.5) -> None:
+        """Poll GET /health until it answers 200 (the server may still be starting)."""
+        deadline = time.monotonic() + timeout_s
+        last = "no answer"
+        while True:
+            try:
+                response = await self._http.get("/health", timeout=min(poll_s * 10, self.config.timeout_s))
+                if response.status_code == 200:
+                    return
+                last = f"status {response.status_code}"
+            except httpx.TransportError as e:
+                last = f"{type(e).__name__}: {e}"
+            if time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"inference server at {self.base_url}/health not healthy after {timeout_s:.0f} s (last: {last})"
+                )
+            await asyncio.sleep(poll_s)
+
+    async def reload_weights(self, weights_path: Path | str) -> None:
+        """Load an HF safetensors folder into the running server, in place.
+
+        The order matters: pause (finishing in-flight requests), reload, reset the prefix
+        cache (else KV computed with the old weights is served silently), resume.
+        """
+        path = str(Path(weights_path).resolve())
+        await self._post("/pause", params={"mode": "wait"})
+        try:
+            await self._post("/collective_rpc", json={"method": "reload_weights", "kwargs": {"weights_path": path}})
+            await self._reset_prefix_cache()
+        except Exception:
+            # Leave the server serving rather than paused forever; the error still propagates.
+            await self._post("/resume", check=False)
+            raise
+        await self._post("/resume")
+
+    async def _reset_prefix_cache(self) -> None:
+        for _ in range(_RESET_RETRIES):
+            response = await self._post("/reset_prefix_cache")
+            if _reset_succeeded(response):
+                return
+            await asyncio.sleep(_RESET_RETRY_S)
+        raise InferenceError(
+            f"POST {self.base_url}/reset_prefix_cache kept answering success=false ({_RESET_RETRIES} tries): "
+            "the server would serve KV computed with the old weights"
+        )
+
+    # ----------------------------------------------------------------------- plumbing
+
+    async def _post(self, path: str, *, check: bool = True, **kwargs: Any) -> httpx.Response | None:
+        url = f"{self.base_url}{path}"
+        try:
+            response = await self._http.post(path, **kwargs)
+        except httpx.TimeoutException:
+            if not check:
+                return None
+            raise InferenceError(f"POST {url}: no answer within {self.config.timeout_s:.0f} s") from None
+        except httpx.TransportError as e:
+            if not check:
+                return None
+            raise InferenceError(f"POST {url} failed: {type(e).__name__}: {e}") from None
+        if check and response.status_code != 200:
+            raise InferenceError(f"POST {url} answered status {response.status_code}: {response.text[:500]}")
+        return response
+
+
+def _reset_succeeded(response: httpx.Response) -> bool:
+    # Older servers answer an empty 200; newer ones {"success": bool}.
+    try:
+        payload = response.json()
+    except ValueError:
+        return True
+    return not isinstance(payload, dict) or payload.get("success", True) is not False
+
+
+def parse_chat_response(payload: dict[str, Any]) -> ChatResult:
+    """The first choice of a vLLM chat completion, with its exact tokens and logprobs."""
+    prompt_ids = payload.get("prompt_token_ids")
+    choices = payload.get("choices") or []
+    if not choices:
+        raise InferenceError(f"chat completion has no choices: {str(payload)[:300]}")
+    choice = choices[0]
+    completion_ids = choice.get("token_ids")
+    if prompt_ids is None or completion_ids is None:
+        raise InferenceError(
+            "chat completion lacks prompt_token_ids / choices[0].token_ids: the server must be vLLM and honour "
+            "`return_token_ids` (and not hide them behind a reasoning parser with include_reasoning=false)"
+        )
+    content = (choice.get("logprobs") or {}).get("content") or []
+    logprobs = [float(entry["logprob"]) for entry in content]
+    if len(logprobs) != len(completion_ids):
+        raise InferenceError(
+            f"chat completion has {len(completion_ids)} completion token ids but {len(logprobs)} logprobs; "
+            "they must match one to one"
+        )
+    if not all(math.isfinite(lp) for lp in logprobs):
+        raise InferenceError("chat completion has a non-finite logprob")
+    return ChatResult(
+        prompt_ids=[int(t) for t in prompt_ids],
+        completion_ids=[int(t) for t in completion_ids],
+        completion_logprobs=logprobs,
+        text=(choice.get("message") or {}).get("content") or "",
+        finish_reason=choice.get("finish_reason"),
+    )

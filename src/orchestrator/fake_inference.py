@@ -1,0 +1,196 @@
+"""A fake vLLM server for tests: the response shapes of vLLM's OpenAI-compatible server,
+without a model. Lets the orchestrator (or anyone) run without vLLM.
+
+- ``POST /v1/chat/completions``: byte-level "tokenizer" (ids 0-255 are bytes, 257/258
+  are <|im_start|>/<|im_end|>, as for the tiny test model), a ChatML prompt, and a completion chosen by
+  ``responder(messages, request_index)`` followed by the <|im_end|> stop token, as vLLM
+  returns it. Honors ``max_tokens`` (finish_reason `length`). Returns
+  ``prompt_token_ids``, ``choices[0].token_ids`` and ``choices[0].logprobs.content``.
+- ``GET /health``, ``POST /pause``, ``/collective_rpc``, ``/reset_prefix_cache``,
+  ``/resume``: answered like vLLM's dev-mode server and recorded in ``calls`` in order.
+- ``fail``: {path: status} makes that path answer the status (fault injection).
+
+Standalone: ``python -m orchestrator.fake_inference --port 8000``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import threading
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+from urllib.parse import urlsplit
+
+IM_START, IM_END = 257, 258  # as in scripts/build_tiny_model.py (256 is <|endoftext|>)
+LOGPROB = -0.25  # every sampled token gets this logprob
+
+
+def encode_chat(messages: list[dict[str, Any]]) -> list[int]:
+    ids: list[int] = []
+    for message in messages:
+        ids += [IM_START, *f"{message['role']}\n{message['content']}".encode(), IM_END, *b"\n"]
+    return ids + [IM_START, *b"assistant\n"]
+
+
+def reverse_half_the_time(messages: list[dict[str, Any]], index: int) -> str:
+    """Even requests answer the reversed user text (reward 1), odd ones echo it."""
+    text = str(messages[-1]["content"])
+    return text[::-1] if index % 2 == 0 else text
+
+
+class FakeInferenceServer:
+    def __init__(
+        self,
+        port: int = 0,
+        responder: Callable[[list[dict[str, Any]], int], str] = reverse_half_the_time,
+        fail: dict[str, int] | None = None,
+    ):
+        self.responder = responder
+        self.fail = dict(fail or {})
+        self.calls: list[tuple[str, str, Any]] = []
+        """(method, path with query, JSON body or None) of every request, in arrival order."""
+
+        self.auth_headers: list[str | None] = []
+        """Authorization header of every request, in arrival order."""
+
+        self.loaded_weights: str | None = None
+        self.paused = False
+        self._lock = threading.Lock()
+        self._requests = 0
+        self._httpd = ThreadingHTTPServer(("127.0.0.1", port), _handler_for(self))
+        self._httpd.daemon_threads = True
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self._httpd.server_address[1]}"
+
+    def admin_calls(self) -> list[str]:
+        return [path for method, path, _ in self.calls if not path.startswith("/v1/")]
+
+    def start(self) -> FakeInferenceServer:
+        self._thread = threading.Thread(
+            target=self._httpd.serve_forever, args=(0.02,), name="fake-inference", daemon=True
+        )
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+
+    def __enter__(self) -> FakeInferenceServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # ----------------------------------------------------------------------- responses
+
+    def handle(self, method: str, path: str, body: Any) -> tuple[int, Any]:
+        route = urlsplit(path).path
+        with self._lock:
+            self.calls.append((method, path, body))
+            index = self._requests
+            if route == "/v1/chat/completions":
+                self._requests += 1
+        if route in self.fail:
+            return self.fail[route], {"error": f"injected failure of {route}"}
+        if method == "GET" and route == "/health":
+            return 200, None
+        if method == "POST" and route == "/v1/chat/completions":
+            return 200, self.chat_completion(body, index)
+        if method == "POST" and route == "/pause":
+            self.paused = True
+            return 200, {"status": "paused"}
+        if method == "POST" and route == "/resume":
+            self.paused = False
+            return 200, {"status": "resumed"}
+        if method == "POST" and route == "/collective_rpc":
+            self.loaded_weights = body["kwargs"]["weights_path"]
+            return 200, {"results": [None]}
+        if method == "POST" and route == "/reset_prefix_cache":
+            return 200, {"success": True}
+        return 404, {"detail": "Not Found"}
+
+    def chat_completion(self, body: dict[str, Any], index: int) -> dict[str, Any]:
+        text = self.responder(body["messages"], index)
+        ids = [*text.encode(), IM_END]
+        max_tokens = int(body.get("max_tokens") or len(ids))
+        finish = "length" if len(ids) > max_tokens else "stop"
+        ids = ids[:max_tokens]
+        content = [
+            {"token": f"token_id:{t}", "logprob": LOGPROB, "bytes": [t] if t < 256 else [], "top_logprobs": []}
+            for t in ids
+        ]
+        prompt_ids = encode_chat(body["messages"])
+        return {
+            "id": f"chatcmpl-{index}",
+            "object": "chat.completion",
+            "created": 0,
+            "model": body.get("model"),
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {
+                        "role": "assistant",
+                        "content": bytes(t for t in ids if t < 256).decode(errors="replace"),
+                    },
+                    "logprobs": {"content": content} if body.get("logprobs") else None,
+                    "finish_reason": finish,
+                    "stop_reason": None,
+                    "token_ids": ids if body.get("return_token_ids") else None,
+                }
+            ],
+            "usage": {
+                "prompt_tokens": len(prompt_ids),
+                "completion_tokens": len(ids),
+                "total_tokens": len(prompt_ids) + len(ids),
+            },
+            "prompt_token_ids": prompt_ids if body.get("return_token_ids") else None,
+        }
+
+
+def _handler_for(server: FakeInferenceServer) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"  # keep-alive, like uvicorn
+        disable_nagle_algorithm = True  # else headers and body wait on delayed ACKs (40 ms per request)
+
+        def _answer(self, method: str) -> None:
+            length = int(self.headers.get("Content-Length") or 0)
+            raw = self.rfile.read(length) if length else b""
+            body = json.loads(raw) if raw else None
+            server.auth_headers.append(self.headers.get("Authorization"))
+            status, payload = server.handle(method, self.path, body)
+            data = b"" if payload is None else json.dumps(payload).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+            self._answer("GET")
+
+        def do_POST(self) -> None:  # noqa: N802
+            self._answer("POST")
+
+        def log_message(self, *args: object) -> None:  # quiet
+            pass
+
+    return Handler
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--port", type=int, default=8000)
+    port = parser.parse_args().port
+    server = FakeInferenceServer(port=port)
+    print(f"fake inference server on {server.url}", flush=True)
+    server._httpd.serve_forever()
+
+
+if __name__ == "__main__":
+    main()

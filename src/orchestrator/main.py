@@ -1,0 +1,239 @@
+"""Orchestrator process: sample rollouts, score them, compute advantages, ship batches.
+
+    python -m orchestrator.main --config RUN/configs/orchestrator.json [--dotted.flags]
+
+Per step n (0..max_steps-1), top to bottom:
+  (a) sync the policy: inference must serve weights of version >= n - async_level; a
+      newer complete `weights/step_K/` is reloaded as soon as it appears;
+  (b) pick the step's examples (seeded order over all environments);
+  (c) run every rollout of the step concurrently through the inference server;
+  (d) advantages within each example's group of rollouts;
+  (e) pack one batch per trainer rank and send it;
+  (f) log a metrics row.
+Versions count optimizer steps: 0 is the initial model and `weights/step_K` holds the
+weights after K steps (the trainer writes it after training on batch K-1), so the trainer
+trains step n with version n and a sample's staleness n - version is its true off-policy
+gap. Every sample records the version it was sampled with, and every sample of step n has
+version >= n - async_level (checked before sending); async_level 0 is fully on-policy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from prime_rl.config import OrchestratorConfig
+from prime_rl.metrics import make_metrics
+from prime_rl.rundir import MARKER, latest_weights_step, weights_dir, weights_step_dir
+from prime_rl.settings import ConfigError, help_text, process_config
+
+from orchestrator.advantages import group_advantages, zero_variance_groups
+from orchestrator.batch import ScoredRollout, pack_batches
+from orchestrator.client import InferenceClient, InferenceError
+from orchestrator.data import ExampleOrder
+from orchestrator.envs import Environment, Rollout, load_env
+from orchestrator.sender import BatchSender
+
+CONSOLE_KEYS = ("reward/mean", "policy/version", "staleness/max", "seq/completion_len_mean", "time/step")
+WEIGHTS_POLL_S = 0.1
+
+
+# --------------------------------------------------------------------------- (a) policy sync
+
+
+@dataclass(frozen=True)
+class PolicySync:
+    version: int
+    """Weights version inference serves after the sync."""
+
+    reloaded_step: int | None
+    wait_s: float
+    reload_s: float
+
+
+async def wait_for_weights(run_dir: Path, min_step: int, timeout_s: float) -> int:
+    """Poll until a complete `weights/step_K` with K >= min_step exists; returns the newest K."""
+    deadline = time.monotonic() + timeout_s
+    while (latest := latest_weights_step(run_dir)) is None or latest < min_step:
+        if time.monotonic() >= deadline:
+            raise TimeoutError(
+                f"waited {timeout_s:.0f} s for {weights_step_dir(run_dir, min_step)} (with its {MARKER} marker); "
+                f"newest complete weights: {latest if latest is not None else 'none'} in {weights_dir(run_dir)}. "
+                "Is the trainer running and receiving batches?"
+            )
+        await asyncio.sleep(WEIGHTS_POLL_S)
+    return latest
+
+
+async def sync_policy(step: int, loaded: int, cfg: OrchestratorConfig, client: InferenceClient) -> PolicySync:
+    """Reload the newest complete weights if newer than ``loaded``; block if they are too old."""
+    start = time.perf_counter()
+    required = step - cfg.async_level
+    if loaded < required:
+        latest = await wait_for_weights(cfg.output_dir, required, cfg.weights_timeout_s)
+    else:
+        latest = latest_weights_step(cfg.output_dir)
+    wait_s = time.perf_counter() - start
+    if latest is None or latest <= loaded:
+        return PolicySync(version=loaded, reloaded_step=None, wait_s=wait_s, reload_s=0.0)
+    start = time.perf_counter()
+    await client.reload_weights(weights_step_dir(cfg.output_dir, latest))
+    return PolicySync(version=latest, reloaded_step=latest, wait_s=wait_s, reload_s=time.perf_counter() - start)
+
+
+# --------------------------------------------------------------------------- (c) generation
+
+
+async def generate(
+    envs: list[Environment], picks: list[tuple[int, int]], client: InferenceClient, cfg: OrchestratorConfig
+) -> list[Rollout]:
+    """All rollouts of the step, group by group: [len(picks) * rollouts_per_example]."""
+    # A TaskGroup cancels the other rollouts as soon as one fails.
+    async with asyncio.TaskGroup() as group:
+        tasks = [
+            group.create_task(envs[env].rollout(client, envs[env].dataset[index], cfg.sampling))
+            for env, index in picks
+            for _ in range(cfg.rollouts_per_example)
+        ]
+    return [task.result() for task in tasks]
+
+
+def check_async_bound(items: list[ScoredRollout], step: int, async_level: int) -> None:
+    oldest = min(item.policy_version for item in items)
+    if oldest < step - async_level:  # a bug, never a user error: the sync step must prevent it
+        raise RuntimeError(f"step {step}: a sample of policy version {oldest} breaks async_level {async_level}")
+
+
+# --------------------------------------------------------------------------- (f) metrics
+
+
+def step_metrics(
+    step: int, items: list[ScoredRollout], sync: PolicySync, cfg: OrchestratorConfig, generate_s: float, step_s: float
+) -> dict[str, float | int]:
+    rewards = np.array([item.rollout.reward for item in items])
+    staleness = np.array([step - item.policy_version for item in items])
+    completion_lens = np.array([item.rollout.completion_tokens for item in items])
+    total_lens = np.array([item.rollout.total_tokens for item in items])
+    row: dict[str, float | int] = {
+        "reward/mean": float(rewards.mean()),
+        "reward/std": float(rewards.std()),
+        "reward/max": float(rewards.max()),
+        "reward/min": float(rewards.min()),
+        "staleness/max": int(staleness.max()),
+        "staleness/mean": float(staleness.mean()),
+        "policy/version": sync.version,
+        "batch/zero_adv_groups_frac": float(zero_variance_groups(rewards, cfg.rollouts_per_example).mean()),
+        "batch/finish_length_frac": float(np.mean([item.rollout.finish_reason == "length" for item in items])),
+        "seq/completion_len_mean": float(completion_lens.mean()),
+        "seq/len_max": int(total_lens.max()),
+        "seq/truncated_frac": float((total_lens > cfg.seq_len).mean()),
+        "perf/tokens_per_s": float(completion_lens.sum() / max(generate_s, 1e-9)),
+        "time/generate": generate_s,
+        "time/wait_weights": sync.wait_s,
+        "time/reload": sync.reload_s,
+        "time/step": step_s,
+    }
+    if sync.reloaded_step is not None:
+        row["weights/reloaded_step"] = sync.reloaded_step
+    return row
+
+
+# --------------------------------------------------------------------------- the loop
+
+
+async def run(cfg: OrchestratorConfig, envs: list[Environment]) -> None:
+    order = ExampleOrder([len(env.dataset) for env in envs], seed=cfg.seed)
+    examples_per_step = cfg.batch_size // cfg.rollouts_per_example
+    metrics = make_metrics("orchestrator", cfg.output_dir, CONSOLE_KEYS, cfg.wandb, cfg.model_dump(mode="json"))
+    client = InferenceClient(cfg.client, cfg.model)
+    sender, delivered = None, False
+    try:
+        sender = BatchSender(cfg.transport, cfg.num_trainer_ranks)  # bind early so trainer ranks can connect
+        await client.wait_healthy(cfg.client.startup_timeout_s)
+        version = 0  # the initial model
+        for step in range(cfg.max_steps):
+            step_start = time.perf_counter()
+            # (a) inference must serve a policy no older than step - async_level
+            sync = await sync_policy(step, version, cfg, client)
+            version = sync.version
+            # (b) the step's examples
+            picks = order.next(examples_per_step)
+            # (c) all rollouts concurrently (the client caps requests in flight)
+            generate_start = time.perf_counter()
+            rollouts = await generate(envs, picks, client, cfg)
+            generate_s = time.perf_counter() - generate_start
+            # (d) advantages within each example's group
+            advantages = group_advantages([r.reward for r in rollouts], cfg.rollouts_per_example)
+            items = [ScoredRollout(r, float(a), version) for r, a in zip(rollouts, advantages, strict=True)]
+            check_async_bound(items, step, cfg.async_level)
+            # (e) one batch per trainer rank
+            for batch in pack_batches(
+                items,
+                step=step,
+                num_ranks=cfg.num_trainer_ranks,
+                micro_batch_size=cfg.micro_batch_size,
+                temperature=cfg.sampling.temperature,
+                seq_len=cfg.seq_len,
+            ):
+                sender.send(batch)
+            # (f) metrics
+            metrics.log(step, step_metrics(step, items, sync, cfg, generate_s, time.perf_counter() - step_start))
+        delivered = True
+    finally:
+        # After the last step, linger so queued batches still reach the trainer; on an error, drop them.
+        if sender is not None:
+            sender.close(flush=delivered)
+        await client.close()
+        metrics.close()
+
+
+# --------------------------------------------------------------------------- entry point
+
+
+def setup(argv: list[str]) -> tuple[OrchestratorConfig, list[Environment]]:
+    """Config and environments; raises ConfigError for anything the user must fix first."""
+    cfg = process_config(OrchestratorConfig, argv)
+    try:
+        envs = [load_env(env_cfg) for env_cfg in cfg.env]
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return cfg, envs
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--help" in argv or "-h" in argv:
+        print("python -m orchestrator.main [--config] CONFIG.{json,toml} [--flags]\n")
+        print("\n".join(help_text(OrchestratorConfig)))
+        return 0
+    try:
+        cfg, envs = setup(argv)
+    except ConfigError as e:
+        print(e, file=sys.stderr)
+        return 2
+    try:
+        asyncio.run(run(cfg, envs))
+    except (OSError, InferenceError, ExceptionGroup) as e:  # TimeoutError is an OSError
+        errors = leaf_errors(e)
+        if not all(isinstance(err, OSError | InferenceError) for err in errors):
+            raise
+        # Expected failures (a peer missing or misbehaving): the message, once, without a traceback.
+        for message in dict.fromkeys(str(err) for err in errors):
+            print(f"[orchestrator] error: {message}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def leaf_errors(error: BaseException) -> list[BaseException]:
+    """The errors inside (nested) exception groups, e.g. from the rollouts' TaskGroup."""
+    if isinstance(error, BaseExceptionGroup):
+        return [leaf for inner in error.exceptions for leaf in leaf_errors(inner)]
+    return [error]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,175 @@
+"""InferenceClient against the fake vLLM server: parsing, request fields, admin recipe."""
+
+import asyncio
+import socket
+import threading
+import time
+
+import pytest
+from prime_rl.config import ClientConfig
+
+from orchestrator.client import InferenceClient, InferenceError, parse_chat_response
+from orchestrator.fake_inference import IM_END, LOGPROB, FakeInferenceServer, encode_chat
+
+MESSAGES = [
+    {"role": "system", "content": "Reverse the text character by character."},
+    {"role": "user", "content": "abc"},
+]
+
+
+def run_with_client(server, fn, **config):
+    async def go():
+        client = InferenceClient(ClientConfig(base_url=server.url, timeout_s=5, **config), "tiny")
+        try:
+            return await fn(client)
+        finally:
+            await client.close()
+
+    return asyncio.run(go())
+
+
+def test_chat_returns_exact_tokens_and_logprobs():
+    with FakeInferenceServer() as server:
+        result = run_with_client(server, lambda c: c.chat(MESSAGES, max_tokens=16, temperature=0.7))
+    assert result.prompt_ids == encode_chat(MESSAGES)
+    assert result.completion_ids == [*b"cba", IM_END]  # the stop token is part of the completion
+    assert result.completion_logprobs == [LOGPROB] * 4
+    assert (result.text, result.finish_reason) == ("cba", "stop")
+    ((_, path, body),) = server.calls
+    assert path == "/v1/chat/completions"
+    assert body["model"] == "tiny" and body["messages"] == MESSAGES
+    assert (body["max_tokens"], body["temperature"], body["logprobs"], body["return_token_ids"]) == (
+        16,
+        0.7,
+        True,
+        True,
+    )
+    assert "seed" not in body  # per-request seeds can crash vLLM on CPU
+
+
+def test_max_tokens_cut_reports_length():
+    with FakeInferenceServer() as server:
+        result = run_with_client(server, lambda c: c.chat(MESSAGES, max_tokens=2, temperature=1.0))
+    assert (result.completion_ids, result.finish_reason) == ([*b"cb"], "length")
+
+
+def test_api_key_is_sent_as_bearer():
+    with FakeInferenceServer() as server:
+        run_with_client(server, lambda c: c.chat(MESSAGES, max_tokens=4, temperature=1.0), api_key="secret")
+    assert server.auth_headers == ["Bearer secret"]
+
+
+def test_concurrency_is_capped():
+    lock, state = threading.Lock(), {"now": 0, "peak": 0}
+
+    def slow(messages, index):
+        with lock:
+            state["now"] += 1
+            state["peak"] = max(state["peak"], state["now"])
+        time.sleep(0.05)
+        with lock:
+            state["now"] -= 1
+        return "x"
+
+    async def many(client):
+        return await asyncio.gather(*[client.chat(MESSAGES, max_tokens=4, temperature=1.0) for _ in range(8)])
+
+    with FakeInferenceServer(responder=slow) as server:
+        results = run_with_client(server, many, max_concurrency=2)
+    assert len(results) == 8 and state["peak"] <= 2
+
+
+def test_reload_weights_makes_the_four_calls_in_order(tmp_path):
+    with FakeInferenceServer() as server:
+        run_with_client(server, lambda c: c.reload_weights(tmp_path / "weights" / "step_3"))
+    assert server.admin_calls() == ["/pause?mode=wait", "/collective_rpc", "/reset_prefix_cache", "/resume"]
+    rpc = server.calls[1][2]
+    assert rpc == {
+        "method": "reload_weights",
+        "kwargs": {"weights_path": str((tmp_path / "weights" / "step_3").resolve())},
+    }
+
+
+def test_failed_reload_names_the_call_and_still_resumes(tmp_path):
+    with FakeInferenceServer(fail={"/collective_rpc": 500}) as server:
+        with pytest.raises(InferenceError, match=r"/collective_rpc answered status 500"):
+            run_with_client(server, lambda c: c.reload_weights(tmp_path))
+    assert server.admin_calls() == ["/pause?mode=wait", "/collective_rpc", "/resume"]
+
+
+def test_prefix_cache_reset_that_keeps_failing_is_an_error(tmp_path, monkeypatch):
+    monkeypatch.setattr("orchestrator.client._RESET_RETRY_S", 0.0)
+
+    class NoReset(FakeInferenceServer):
+        def handle(self, method, path, body):
+            if path == "/reset_prefix_cache":
+                self.calls.append((method, path, body))
+                return 200, {"success": False}
+            return super().handle(method, path, body)
+
+    with NoReset() as server:
+        with pytest.raises(InferenceError, match="reset_prefix_cache kept answering success=false"):
+            run_with_client(server, lambda c: c.reload_weights(tmp_path))
+    assert server.admin_calls()[-1] == "/resume"
+
+
+def test_wait_healthy():
+    with FakeInferenceServer() as server:
+        run_with_client(server, lambda c: c.wait_healthy(timeout_s=2))
+        assert server.admin_calls() == ["/health"]
+
+
+def test_wait_healthy_times_out_naming_the_url():
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}"
+
+    async def go():
+        client = InferenceClient(ClientConfig(base_url=url, timeout_s=1), "tiny")
+        try:
+            await client.wait_healthy(timeout_s=0.3, poll_s=0.1)
+        finally:
+            await client.close()
+
+    with pytest.raises(TimeoutError, match=f"{url}/health not healthy after"):
+        asyncio.run(go())
+
+
+def test_server_error_names_url_and_status():
+    with FakeInferenceServer(fail={"/v1/chat/completions": 400}) as server:
+        with pytest.raises(InferenceError, match=r"/v1/chat/completions answered status 400: .*injected"):
+            run_with_client(server, lambda c: c.chat(MESSAGES, max_tokens=4, temperature=1.0))
+
+
+def response(token_ids, logprobs, prompt=(1, 2)):
+    content = [{"token": "x", "logprob": lp, "bytes": [], "top_logprobs": []} for lp in logprobs]
+    return {
+        "prompt_token_ids": list(prompt),
+        "choices": [
+            {
+                "index": 0,
+                "message": {"content": "hi"},
+                "logprobs": {"content": content},
+                "finish_reason": "stop",
+                "token_ids": token_ids,
+            }
+        ],
+    }
+
+
+def test_parse_rejects_logprob_count_mismatch():
+    with pytest.raises(InferenceError, match="3 completion token ids but 2 logprobs"):
+        parse_chat_response(response([5, 6, 7], [-0.1, -0.2]))
+
+
+def test_parse_rejects_missing_token_ids():
+    payload = response([5], [-0.1])
+    payload["prompt_token_ids"] = None
+    with pytest.raises(InferenceError, match="return_token_ids"):
+        parse_chat_response(payload)
+
+
+def test_parse_empty_completion():
+    payload = response([], [])
+    payload["choices"][0]["logprobs"] = None  # vLLM's shape when nothing was generated
+    assert parse_chat_response(payload).completion_ids == []

@@ -1,0 +1,208 @@
+"""The orchestrator loop: policy sync rules, config errors, and a 2-step end-to-end run
+as a subprocess against the fake vLLM server, with this test playing the trainer."""
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import zmq
+from prime_rl.config import OrchestratorConfig
+from prime_rl.rundir import begin_step_dir, finish_step_dir, metrics_path, read_jsonl, weights_dir
+from prime_rl.wire import decode_batch, sample_arrays
+
+from orchestrator.fake_inference import FakeInferenceServer
+from orchestrator.main import main, sync_policy
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def write_weights(run_dir, step):
+    tmp = begin_step_dir(weights_dir(run_dir), step)
+    (tmp / "model.safetensors").write_bytes(b"fake")
+    finish_step_dir(tmp, step)
+
+
+class RecordingClient:
+    def __init__(self):
+        self.reloaded = []
+
+    async def reload_weights(self, path):
+        self.reloaded.append(Path(path).name)
+
+
+def sync(step, loaded, run_dir, async_level=1, timeout=5.0):
+    cfg = OrchestratorConfig(output_dir=run_dir, async_level=async_level, weights_timeout_s=timeout)
+    client = RecordingClient()
+    result = asyncio.run(sync_policy(step, loaded, cfg, client))
+    return result, client.reloaded
+
+
+def test_initial_policy_serves_step_one(tmp_path):
+    result, reloaded = sync(step=1, loaded=0, run_dir=tmp_path)  # step 1 may use version 0 when async_level=1
+    assert (result.version, result.reloaded_step, reloaded) == (0, None, [])
+
+
+def test_newer_weights_are_reloaded_without_waiting(tmp_path):
+    write_weights(tmp_path, 1)
+    write_weights(tmp_path, 2)
+    (weights_dir(tmp_path) / "step_3").mkdir()  # no marker yet: must be ignored
+    result, reloaded = sync(step=3, loaded=0, run_dir=tmp_path, async_level=2)
+    assert (result.version, result.reloaded_step, reloaded) == (2, 2, ["step_2"])
+
+
+def test_too_old_policy_waits_for_the_required_step(tmp_path):
+    async def trainer_later():
+        await asyncio.sleep(0.3)
+        write_weights(tmp_path, 1)
+
+    async def go():
+        cfg = OrchestratorConfig(output_dir=tmp_path, async_level=1, weights_timeout_s=5)
+        client = RecordingClient()
+        _, result = await asyncio.gather(trainer_later(), sync_policy(2, 0, cfg, client))
+        return result, client.reloaded
+
+    result, reloaded = asyncio.run(go())
+    assert (result.version, reloaded) == (1, ["step_1"]) and result.wait_s >= 0.25
+
+
+def test_weights_wait_times_out_naming_the_step(tmp_path):
+    with pytest.raises(TimeoutError, match=r"weights/step_1 \(with its STABLE marker\)"):
+        sync(step=2, loaded=0, run_dir=tmp_path, timeout=0.2)
+
+
+def test_config_errors_exit_2(tmp_path, capsys):
+    assert main(["--batch-size", "10", "--rollouts-per-example", "4"]) == 2
+    assert "must be divisible by rollouts_per_example" in capsys.readouterr().err
+    assert main(["--async-level", "-1"]) == 2
+    assert "async_level" in capsys.readouterr().err
+    assert main(["--batch-size", "12", "--rollouts-per-example", "4", "--num-trainer-ranks", "8"]) == 2
+    assert "must split evenly over num_trainer_ranks" in capsys.readouterr().err
+    assert main(["--env", '[{"id": "reverse-text", "args": {"bogus": 1}}]']) == 2
+    assert "bogus" in capsys.readouterr().err
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_steps_end_to_end(tmp_path):
+    """async_level=0 (on-policy): step 0 uses the initial model; step 1 must wait for
+    weights/step_1, which this test (the trainer) writes only after receiving step 0's batch."""
+    port = free_port()
+    config = {
+        "model": "tiny",
+        "env": [{"id": "reverse-text", "args": {"num_examples": 50}}],
+        "sampling": {"max_tokens": 16, "temperature": 0.8},
+        "client": {"timeout_s": 10},
+        "transport": {"port": port, "timeout_s": 20},
+        "batch_size": 8,
+        "rollouts_per_example": 4,
+        "micro_batch_size": 3,
+        "max_steps": 2,
+        "async_level": 0,
+        "seq_len": 128,
+        "output_dir": str(tmp_path),
+        "weights_timeout_s": 20,
+    }
+    with FakeInferenceServer() as server:
+        config["client"]["base_url"] = server.url
+        (tmp_path / "configs").mkdir()
+        (tmp_path / "configs" / "orchestrator.json").write_text(json.dumps(config))
+        env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "orchestrator.main", "--config", str(tmp_path / "configs" / "orchestrator.json")],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        ctx = zmq.Context()
+        trainer = ctx.socket(zmq.PULL)
+        trainer.setsockopt(zmq.RCVTIMEO, 20_000)
+        trainer.setsockopt(zmq.LINGER, 0)
+        trainer.connect(f"tcp://127.0.0.1:{port}")
+        try:
+            first = decode_batch(trainer.recv(), expected_step=0, expected_rank=0)
+            assert not any(p.startswith("/collective_rpc") for p in server.admin_calls())
+            write_weights(tmp_path, 1)
+            second = decode_batch(trainer.recv(), expected_step=1, expected_rank=0)
+            out, _ = proc.communicate(timeout=20)
+        finally:
+            trainer.close()
+            ctx.term()
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        assert proc.returncode == 0, out
+
+    for batch, version in ((first, 0), (second, 1)):
+        samples = [s for m in batch.micro_batches for s in m.samples]
+        assert [len(m.samples) for m in batch.micro_batches] == [3, 3, 2]
+        assert batch.temperature == 0.8
+        assert {s.policy_version for s in samples} == {version}
+        for s in samples:
+            ids, mask, logprobs = sample_arrays(s)
+            assert mask.sum() > 0 and not mask[0] and (logprobs[~mask] == 0).all()
+        # groups of 4 with the fake's alternating right/wrong answers: advantages sum to 0 per group
+        for g in range(2):
+            assert sum(s.advantage for s in samples[4 * g : 4 * g + 4]) == pytest.approx(0.0, abs=1e-6)
+
+    admin = server.admin_calls()
+    assert admin[0] == "/health"
+    assert admin[1:] == ["/pause?mode=wait", "/collective_rpc", "/reset_prefix_cache", "/resume"]
+    assert server.loaded_weights == str((tmp_path / "weights" / "step_1").resolve())
+    rows = [r for r in read_jsonl(metrics_path(tmp_path)) if r["process"] == "orchestrator"]
+    assert [r["step"] for r in rows] == [0, 1]
+    assert all(r["staleness/max"] == 0 for r in rows)
+    assert rows[1]["weights/reloaded_step"] == 1 and rows[1]["policy/version"] == 1
+    assert 0.0 < rows[0]["reward/mean"] < 1.0 and rows[0]["reward/max"] == 1.0
+    for key in (
+        "reward/std",
+        "staleness/mean",
+        "batch/zero_adv_groups_frac",
+        "seq/completion_len_mean",
+        "perf/tokens_per_s",
+        "time/generate",
+        "time/step",
+        "time/wait_weights",
+        "time/reload",
+    ):
+        assert key in rows[1], key
+
+
+def run_main_in_process(tmp_path, server, capsys, **overrides):
+    flags = {
+        "model": "tiny",
+        "client.base-url": server.url,
+        "transport.port": str(free_port()),
+        "transport.timeout-s": "0.3",
+        "batch-size": "4",
+        "rollouts-per-example": "2",
+        "max-steps": "1",
+        "output-dir": str(tmp_path),
+        **overrides,
+    }
+    argv = [part for key, value in flags.items() for part in (f"--{key}", value)]
+    code = main(argv + ["--env", '[{"id": "reverse-text", "args": {"num_examples": 8}}]'])
+    return code, capsys.readouterr().err
+
+
+def test_missing_trainer_exits_1_with_a_message(tmp_path, capsys):
+    with FakeInferenceServer() as server:
+        code, err = run_main_in_process(tmp_path, server, capsys)
+    assert code == 1
+    assert "trainer rank 0 did not take the batch for step 0" in err and "Traceback" not in err
+
+
+def test_failing_inference_exits_1_with_one_message(tmp_path, capsys):
+    with FakeInferenceServer(fail={"/v1/chat/completions": 500}) as server:
+        code, err = run_main_in_process(tmp_path, server, capsys)
+    assert code == 1
+    assert err.count("/v1/chat/completions answered status 500") == 1  # 4 failed rollouts, one line
