@@ -1,0 +1,110 @@
+"""Where the trainer's batches come from: a ZeroMQ PULL socket, and padding into tensors.
+
+The trainer knows only the wire contract (``prime_rl.wire``), never the orchestrator:
+tests drive it with a PUSH socket and hand-made ``TrainBatch`` messages. Frames are
+msgpack (``decode_batch``), never pickle; a frame that fails validation is logged and
+skipped, so one bad message cannot crash a run or be trained on.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import zmq
+
+from prime_rl.config import TransportConfig
+from prime_rl.wire import MicroBatch, TrainBatch, WireError, decode_batch, sample_arrays
+
+
+def _log(msg: str) -> None:
+    print(f"[trainer] {msg}", flush=True)
+
+
+class BatchReceiver:
+    """PULL socket that connects to the orchestrator's PUSH at ``tcp://host:port + rank``."""
+
+    def __init__(self, cfg: TransportConfig, rank: int, log: Callable[[str], None] = _log):
+        self.rank = rank
+        self.timeout_s = cfg.timeout_s
+        self.first_timeout_s = cfg.first_batch_timeout_s
+        self._received_any = False
+        self.address = f"tcp://{cfg.host}:{cfg.port + rank}"
+        self.log = log
+        self._ctx = zmq.Context()  # own context: closing it never touches other sockets
+        self._sock = self._ctx.socket(zmq.PULL)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(self.address)  # zmq reconnects by itself if the peer is not up yet
+
+    def receive(self, step: int) -> TrainBatch:
+        """The next valid batch for ``step``; invalid frames are logged and skipped.
+
+        Raises TimeoutError when no valid batch arrives within ``timeout_s`` in total
+        (``first_batch_timeout_s`` for the first one, which waits for inference to start).
+        """
+        timeout_s = self.timeout_s if self._received_any else self.first_timeout_s
+        deadline = time.monotonic() + timeout_s
+        while True:
+            remaining_ms = (deadline - time.monotonic()) * 1000
+            if remaining_ms <= 0 or not self._sock.poll(timeout=max(1, int(remaining_ms))):
+                raise TimeoutError(f"no batch for step {step} from {self.address} within {timeout_s:g}s")
+            frames = self._sock.recv_multipart()
+            try:
+                if len(frames) != 1:
+                    raise WireError(f"expected a single-frame message, got {len(frames)} frames")
+                batch = decode_batch(frames[0], expected_step=step, expected_rank=self.rank)
+                self._received_any = True
+                return batch
+            except WireError as e:
+                self.log(f"rejected a message on {self.address} while waiting for step {step}: {e}")
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+        self._ctx.term()
+
+    def __enter__(self) -> BatchReceiver:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+@dataclass
+class MicroTensors:
+    """One micro-batch, right-padded to its longest sample. B samples, T positions."""
+
+    input_ids: torch.Tensor  # [B, T] int64, pad_id after each sample's end
+    attention_mask: torch.Tensor  # [B, T] int64, 1 on real tokens
+    loss_mask: torch.Tensor  # [B, T] bool, policy tokens (0 on prompt and padding)
+    inference_logprobs: torch.Tensor  # [B, T] float32, logprob of token t when sampled
+    advantages: torch.Tensor  # [B] float32
+    num_truncated: int  # samples cut to seq_len
+
+    @property
+    def num_real_tokens(self) -> int:
+        return int(self.attention_mask.sum())
+
+
+def right_pad(rows: list[np.ndarray], fill, dtype) -> np.ndarray:
+    """Stack 1-d rows into [B, max length], filling each row's tail with ``fill``."""
+    out = np.full((len(rows), max(len(r) for r in rows)), fill, dtype=dtype)
+    for b, row in enumerate(rows):
+        out[b, : len(row)] = row
+    return out
+
+
+def collate(micro: MicroBatch, seq_len: int, pad_id: int, device: torch.device) -> MicroTensors:
+    """Right-pad a micro-batch's samples into tensors; samples longer than seq_len are cut."""
+    arrays = [sample_arrays(s) for s in micro.samples]
+    ids, masks, logprobs = ([a[i][:seq_len] for a in arrays] for i in range(3))
+    return MicroTensors(
+        input_ids=torch.from_numpy(right_pad(ids, pad_id, np.int64)).to(device),
+        attention_mask=torch.from_numpy(right_pad([np.ones(len(r)) for r in ids], 0, np.int64)).to(device),
+        loss_mask=torch.from_numpy(right_pad(masks, False, bool)).to(device),
+        inference_logprobs=torch.from_numpy(right_pad(logprobs, 0.0, np.float32)).to(device),
+        advantages=torch.tensor([s.advantage for s in micro.samples], dtype=torch.float32, device=device),
+        num_truncated=sum(len(a[0]) > seq_len for a in arrays),
+    )

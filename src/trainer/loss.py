@@ -1,0 +1,99 @@
+"""Pure loss math: tensors in, tensors out. No model, no config files, no distributed.
+
+Shapes: B samples, T positions. Logprobs are float32 and aligned to the token they
+score: ``logprobs[b, t]`` is log pi(token t+1 | tokens <= t) after ``token_logprobs``
+has shifted them (the first token of a sequence is never scored).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from prime_rl.config import LossConfig
+
+
+def selective_log_softmax(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """log softmax(logits)[..., ids] in float32 without materialising the log-softmax.
+
+    logits [..., V] (any float dtype), ids [...] int -> [...] float32.
+    """
+    logits = logits.float()
+    chosen = logits.gather(-1, ids.long().unsqueeze(-1)).squeeze(-1)
+    return chosen - torch.logsumexp(logits, dim=-1)
+
+
+def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Logprob of each next token under softmax(logits / temperature).
+
+    logits [B, T, V], input_ids [B, T] -> [B, T-1] float32, where out[:, t] scores
+    input_ids[:, t+1]. Inference sampled from the temperature-scaled distribution, so the
+    trainer must score it the same way for the importance ratio to be 1 on-policy.
+    """
+    scaled = logits[:, :-1].float() / temperature
+    return selective_log_softmax(scaled, input_ids[:, 1:])
+
+
+@torch.no_grad()
+def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Entropy (nats) of softmax(logits / temperature) per position: [..., V] -> [...] float32."""
+    scaled = logits.float() / temperature
+    log_z = torch.logsumexp(scaled, dim=-1)
+    probs = torch.softmax(scaled, dim=-1)
+    return log_z - (probs * scaled).sum(-1)
+
+
+def policy_loss(
+    trainer_logprobs: torch.Tensor,
+    inference_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    cfg: LossConfig,
+    num_tokens: int | float,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Token-level policy gradient, corrected by the trainer/inference importance ratio.
+
+    trainer_logprobs [B, T] (carries the gradient), inference_logprobs [B, T],
+    advantages [B] (one per sample, broadcast over tokens) or [B, T], loss_mask [B, T]
+    bool. ``num_tokens`` is the number of loss-mask tokens of the whole step (all
+    micro-batches, all ranks), so summing the micro-batch losses gives the step's token
+    mean and their gradients add up to the gradient of that mean.
+
+    ratio = exp(clamp(trainer - inference, -c, c)); per-token loss = -ratio * advantage,
+    whose gradient is -ratio * advantage * grad(trainer_logprob) (REINFORCE weighted by
+    the importance ratio). Tokens whose ratio leaves [mask_ratio_low, mask_ratio_high]
+    are dropped (the decision carries no gradient). A clamped log-ratio has zero
+    gradient; with the default band (log 8 < 10) a clamped token is masked anyway.
+
+    Returns (loss, stats). Stats are detached 0-d sums and counts so a step can add them
+    up across micro-batches and ranks exactly:
+      loss_tokens      loss-mask tokens in this micro-batch
+      masked_tokens    of those, tokens dropped by the ratio band
+      ratio_sum        sum of the (clamped) ratio over loss-mask tokens
+      mismatch_kl_sum  sum over loss-mask tokens of the k3 estimator of
+                       KL(pi_inference || pi_trainer): ratio - 1 - log ratio (Schulman's k3
+                       with samples drawn from pi_inference, r = pi_trainer / pi_inference;
+                       >= 0 per token, unbiased), using the clamped log-ratio so it stays finite.
+    """
+    loss_mask = loss_mask.bool()
+    if advantages.dim() == 1:
+        advantages = advantages[:, None]  # [B] -> [B, 1], broadcast over tokens
+    log_ratio = (trainer_logprobs - inference_logprobs).clamp(-cfg.log_ratio_clamp, cfg.log_ratio_clamp)
+    ratio = torch.exp(log_ratio)
+
+    with torch.no_grad():
+        in_band = (ratio >= cfg.mask_ratio_low) & (ratio <= cfg.mask_ratio_high)
+        keep = loss_mask & in_band
+
+    per_token = -ratio * advantages
+    loss = torch.where(keep, per_token, torch.zeros_like(per_token)).sum() / num_tokens
+
+    with torch.no_grad():
+        mask_f = loss_mask.float()
+        k3 = ratio - 1.0 - log_ratio
+        stats = {
+            "loss_tokens": mask_f.sum(),
+            "masked_tokens": (loss_mask & ~in_band).float().sum(),
+            "ratio_sum": (ratio * mask_f).sum(),
+            "mismatch_kl_sum": (k3 * mask_f).sum(),
+        }
+    return loss, stats

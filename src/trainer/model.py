@@ -1,0 +1,104 @@
+"""Process setup and model loading: threads, torch.distributed, HF causal LM, FSDP2.
+
+One process (no WORLD_SIZE or WORLD_SIZE=1): no process group at all, plain module.
+Under torchrun (WORLD_SIZE > 1): gloo on CPU / nccl on CUDA, every decoder layer and
+then the root sharded with FSDP2 ``fully_shard`` (parameter names are unchanged, so a
+gathered state dict has HF names).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from prime_rl.config import ModelConfig
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class World:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def setup_world(num_threads: int) -> World:
+    """Set torch threads; join the process group when launched by torchrun with > 1 rank."""
+    torch.set_num_threads(num_threads)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if world_size > 1 and not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+    return World(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
+
+
+def teardown_world(world: World) -> None:
+    if world.distributed and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def load_model(cfg: ModelConfig, world: World) -> nn.Module:
+    """HF causal LM in the configured dtype, on the rank's device, FSDP2-sharded if distributed."""
+    from transformers import AutoModelForCausalLM  # heavy import, only where it is needed
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # a progress bar per load is noise in a process log
+    model = AutoModelForCausalLM.from_pretrained(cfg.name, dtype=DTYPES[cfg.dtype])
+    model.config.use_cache = False  # training never decodes; the KV cache only costs memory
+    model.to(world.device)
+    if world.distributed:
+        shard_model(model)
+    model.train()
+    return model
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The transformer blocks: `model.model.layers` for Llama/Qwen-style HF models."""
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if isinstance(layers, nn.ModuleList):
+        return layers
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
+    if not lists:
+        raise ValueError(f"cannot find the decoder layers of {type(model).__name__} to shard")
+    return max(lists, key=len)
+
+
+def shard_model(model: nn.Module) -> None:
+    """FSDP2: one unit per decoder layer (all-gathered just in time), then the root."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in decoder_layers(model):
+        fully_shard(layer)
+    fully_shard(model)
+
+
+def forward_logits(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """[B, T] right-padded ids -> logits [B, T, V].
+
+    Position ids are explicit (0..len-1 for real tokens) so a sample's logits do not depend
+    on how it is padded; pad positions repeat the last position and their logits are never used.
+    """
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+    return out.logits

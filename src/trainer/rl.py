@@ -1,0 +1,197 @@
+"""RL trainer process: receive a step's rollouts, take one optimizer step, publish weights.
+
+    python -m trainer.rl --config RUN/configs/trainer.json [--dotted.flags]
+    torchrun --nproc-per-node N -m trainer.rl --config ...      (FSDP2, one batch per rank)
+
+Policy versions count optimizer steps: the initial model is version 0, and step n
+(numbered from 0) trains version n on step n's batch and publishes ``weights/step_{n+1}``
+(version n + 1). A sample's staleness, n - its policy version, is its off-policy gap. The trainer knows only the wire contract and the run
+directory layout, never the orchestrator or the inference server.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from prime_rl.config import LossConfig, TrainerConfig
+from prime_rl.metrics import Metrics, make_metrics
+from prime_rl.settings import ConfigError, process_config
+from prime_rl.wire import TrainBatch
+from trainer.data import BatchReceiver, MicroTensors, collate
+from trainer.loss import entropy_from_logits, policy_loss, token_logprobs
+from trainer.model import World, forward_logits, load_model, setup_world, teardown_world
+from trainer.optim import build_optimizer, clip_and_step
+from trainer.weights import save_weights
+
+CONSOLE_KEYS = (
+    "loss/policy", "loss/mismatch_kl", "loss/masked_frac", "optim/grad_norm",
+    "staleness/max", "perf/tokens_per_s", "time/step",
+)
+# Per-step sums reduced over micro-batches and ranks, in this order (one all-reduce).
+SUM_KEYS = (
+    "loss_sum", "loss_tokens", "masked_tokens", "ratio_sum", "mismatch_kl_sum",
+    "entropy_sum", "samples", "tokens", "truncated",
+)
+
+
+def log(msg: str) -> None:
+    print(f"[trainer] {msg}", flush=True)
+
+
+def train(cfg: TrainerConfig) -> None:
+    # ---- setup: threads, process group, model, optimizer, metrics, transport
+    world = setup_world(cfg.num_threads)
+    torch.manual_seed(cfg.seed)
+    model = load_model(cfg.model, world)
+    optimizer, scheduler = build_optimizer(model, cfg.optim)
+    metrics = (
+        make_metrics("trainer", cfg.output_dir, CONSOLE_KEYS, cfg.wandb, cfg.model_dump(mode="json"))
+        if world.is_main
+        else Metrics("trainer", [])
+    )
+    receiver = BatchReceiver(cfg.transport, world.rank)
+    log(f"rank {world.rank}/{world.world_size} on {world.device}: {cfg.model.name}; batches from {receiver.address}")
+    try:
+        for step in range(cfg.max_steps):
+            t_start = time.perf_counter()
+            # 1. rollouts for this step (sampled by policy versions in [step - async_level, step])
+            batch = receiver.receive(step)
+            t_batch = time.perf_counter()
+            # 2. one optimizer step over all micro-batches
+            stats = train_step(model, optimizer, scheduler, batch, cfg, world)
+            t_train = time.perf_counter()
+            # 3. publish policy version `step + 1` (collective gather, rank 0 writes)
+            save_weights(model, cfg.output_dir, step + 1, cfg.weights.keep_last, cfg.model.name)
+            t_save = time.perf_counter()
+            # 4. metrics (rank 0 only)
+            timings = {
+                "step": t_save - t_start,
+                "wait_batch": t_batch - t_start,
+                "train": t_train - t_batch,
+                "save_weights": t_save - t_train,
+            }
+            metrics.log(step, step_metrics(stats, timings, step))
+        if world.is_main:
+            log(f"done: {cfg.max_steps} steps, weights in {cfg.output_dir / 'weights'}")
+    finally:
+        receiver.close()
+        metrics.close()
+        teardown_world(world)
+
+
+def train_step(
+    model: nn.Module, optimizer, scheduler, batch: TrainBatch, cfg: TrainerConfig, world: World
+) -> dict[str, float]:
+    """Forward/backward every micro-batch, then clip and step. Returns step-wide stats."""
+    pad_id = getattr(model.config, "pad_token_id", None) or 0
+    micros = [collate(m, cfg.seq_len, pad_id, world.device) for m in batch.micro_batches]
+    # Step-wide normalisers, identical on every rank. Position 0 is never scored (no prefix).
+    local_tokens = sum(int(m.loss_mask[:, 1:].sum()) for m in micros)
+    num_tokens = max(1, int(all_reduce(scalar(local_tokens, world), dist.ReduceOp.SUM)))
+    num_micro = int(all_reduce(scalar(len(micros), world), dist.ReduceOp.MAX))
+
+    sums = torch.zeros(len(SUM_KEYS), dtype=torch.float64, device=world.device)  # float64: counts stay exact
+    for i in range(num_micro):
+        if i < len(micros):
+            sums += micro_step(model, micros[i], batch.temperature, cfg.loss, num_tokens, world.world_size)
+        else:
+            lockstep_step(model, world)  # this rank ran out of micro-batches; FSDP needs equal passes
+    grad_norm, lr = clip_and_step(model, optimizer, scheduler, cfg.optim.max_grad_norm)
+
+    sums = all_reduce(sums, dist.ReduceOp.SUM)
+    versions = [s.policy_version for m in batch.micro_batches for s in m.samples]
+    min_version = all_reduce(scalar(min(versions, default=10**9), world), dist.ReduceOp.MIN)
+    return {**dict(zip(SUM_KEYS, sums.tolist())), "grad_norm": grad_norm, "lr": lr, "min_version": float(min_version)}
+
+
+def micro_step(
+    model: nn.Module, mt: MicroTensors, temperature: float, loss_cfg: LossConfig, num_tokens: int, world_size: int
+) -> torch.Tensor:
+    """Forward + backward one micro-batch; returns its SUM_KEYS vector (detached)."""
+    logits = forward_logits(model, mt.input_ids, mt.attention_mask)  # [B, T, V]
+    trainer_lp = token_logprobs(logits, mt.input_ids, temperature)  # [B, T-1], scores tokens 1..T-1
+    # Align the inference side the same way: position t of these scores token t+1.
+    inference_lp, loss_mask = mt.inference_logprobs[:, 1:], mt.loss_mask[:, 1:]
+    loss, stats = policy_loss(trainer_lp, inference_lp, mt.advantages, loss_mask, loss_cfg, num_tokens)
+    entropy = entropy_from_logits(logits[:, :-1][loss_mask], temperature)  # [N loss tokens], no grad
+    # FSDP averages gradients over ranks; the loss is already a global token mean, so undo it.
+    (loss * world_size).backward()
+    values = {
+        **stats,
+        "loss_sum": loss.detach(),
+        "entropy_sum": entropy.sum(),
+        "samples": torch.tensor(float(mt.input_ids.shape[0])),
+        "tokens": torch.tensor(float(mt.num_real_tokens)),
+        "truncated": torch.tensor(float(mt.num_truncated)),
+    }
+    return torch.stack([values[k].double().to(mt.input_ids.device) for k in SUM_KEYS])
+
+
+def lockstep_step(model: nn.Module, world: World) -> None:
+    """A zero-gradient pass so this rank joins the FSDP collectives of a pass it has no data for."""
+    ids = torch.zeros(1, 2, dtype=torch.long, device=world.device)
+    logits = forward_logits(model, ids, torch.ones_like(ids))
+    (logits.sum() * 0.0).backward()
+
+
+def scalar(value: float, world: World) -> torch.Tensor:
+    """A float64 0-d tensor on the rank's device (nccl reduces only device tensors)."""
+    return torch.tensor(float(value), dtype=torch.float64, device=world.device)
+
+
+def all_reduce(t: torch.Tensor, op) -> torch.Tensor:
+    """In-place all-reduce over ranks; identity in a single process."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=op)
+    return t
+
+
+def step_metrics(s: dict[str, float], timings: dict[str, float], step: int) -> dict[str, float]:
+    """Prefixed metric row from the reduced step sums."""
+    n = max(s["loss_tokens"], 1.0)
+    row = {
+        "loss/policy": s["loss_sum"],
+        "loss/mismatch_kl": s["mismatch_kl_sum"] / n,
+        "loss/masked_frac": s["masked_tokens"] / n,
+        "loss/ratio": s["ratio_sum"] / n,
+        "loss/entropy": s["entropy_sum"] / n,
+        "optim/grad_norm": s["grad_norm"],
+        "optim/lr": s["lr"],
+        "perf/tokens_per_s": s["tokens"] / max(timings["train"], 1e-9),
+        "perf/samples": int(s["samples"]),
+        "perf/loss_tokens": int(s["loss_tokens"]),
+        "perf/truncated": int(s["truncated"]),
+        **{f"time/{k}": v for k, v in timings.items()},
+    }
+    if s["samples"] > 0:
+        row["staleness/max"] = step - int(s["min_version"])
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        cfg = process_config(TrainerConfig, argv)
+    except ConfigError as e:
+        print(f"[trainer] config error:\n{e}", file=sys.stderr, flush=True)
+        return 2
+    try:
+        train(cfg)
+    except KeyboardInterrupt:
+        print("[trainer] interrupted", file=sys.stderr, flush=True)
+        return 130
+    except Exception as e:  # noqa: BLE001 - the process ends here; say why in one line
+        traceback.print_exc()
+        print(f"[trainer] failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,229 @@
+"""Supervised fine-tuning on chats (the warm-up before RL), one process.
+
+    python -m trainer.sft --config sft.toml [--dotted.flags]
+
+Reads JSONL lines ``{"messages": [...]}``, tokenizes each chat with the model's own chat
+template and trains on the assistant tokens only, then writes the model + tokenizer to
+``output_dir`` (HF format) with the ``STABLE`` marker last, so RL can start from it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import random
+import sys
+import time
+import traceback
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from prime_rl.config import SFTConfig
+from prime_rl.metrics import ConsoleSink, make_metrics
+from prime_rl.rundir import MARKER
+from prime_rl.settings import ConfigError, process_config
+from trainer.data import right_pad
+from trainer.loss import token_logprobs
+from trainer.model import forward_logits, load_model, setup_world
+from trainer.optim import build_optimizer, clip_and_step
+from trainer.weights import copy_tokenizer_files
+
+CONSOLE_KEYS = ("loss/sft", "optim/grad_norm", "perf/tokens_per_s", "time/step")
+CONSOLE_EVERY = 10
+
+Example = tuple[list[int], list[int]]  # (input_ids [T], loss_mask [T] of 0/1)
+
+
+def log(msg: str) -> None:
+    print(f"[sft] {msg}", flush=True)
+
+
+def train_sft(cfg: SFTConfig) -> None:
+    # ---- setup: one process, model + tokenizer, data, optimizer, metrics
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise RuntimeError("SFT runs in a single process; launch it without torchrun")
+    from transformers import AutoTokenizer
+
+    world = setup_world(cfg.num_threads)
+    torch.manual_seed(cfg.seed)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.name)
+    model = load_model(cfg.model, world)
+    examples = load_examples(cfg.data.path, tokenizer, cfg.seq_len)
+    batches = batch_stream(examples, cfg.data.batch_size, cfg.seed)
+    optimizer, scheduler = build_optimizer(model, cfg.optim)
+    output_dir = Path(cfg.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    (output_dir / MARKER).unlink(missing_ok=True)  # the folder is incomplete until we finish
+    metrics = make_metrics("sft", output_dir, CONSOLE_KEYS, cfg.wandb, cfg.model_dump(mode="json"))
+    console = [s for s in metrics.sinks if isinstance(s, ConsoleSink)]
+    metrics.sinks = [s for s in metrics.sinks if not isinstance(s, ConsoleSink)]  # printed every N steps instead
+    log(f"{len(examples)} chats from {cfg.data.path}, {cfg.max_steps} steps of {cfg.data.batch_size}")
+
+    for step in range(1, cfg.max_steps + 1):
+        t_start = time.perf_counter()
+        # 1. next batch of chats (the data cycles, reshuffled every epoch)
+        chats = next(batches)
+        # 2. one optimizer step with gradient accumulation over micro-batches
+        stats = sft_step(model, optimizer, scheduler, chats, cfg, world.device)
+        # 3. metrics (console every CONSOLE_EVERY steps and at the end)
+        elapsed = time.perf_counter() - t_start
+        row = {**stats, "perf/tokens_per_s": stats["perf/tokens"] / elapsed, "time/step": elapsed}
+        metrics.log(step, row)
+        if step % CONSOLE_EVERY == 0 or step in (1, cfg.max_steps):
+            for sink in console:
+                sink.log({"step": step, **row})
+
+    # ---- publish: weights + tokenizer, marker last
+    save_model(model, tokenizer, cfg.model.name, output_dir)
+    metrics.close()
+    log(f"done: model in {output_dir}")
+
+
+def sft_step(model: nn.Module, optimizer, scheduler, chats: list[Example], cfg: SFTConfig, device) -> dict[str, float]:
+    """Token-mean NLL over all assistant tokens of the batch, accumulated over micro-batches."""
+    # Position 0 is never predicted, so its mask entry never counts.
+    num_tokens = max(1, sum(sum(mask[1:]) for _, mask in chats))
+    total_loss, total_tokens = 0.0, 0
+    for start in range(0, len(chats), cfg.data.micro_batch_size):
+        micro = chats[start : start + cfg.data.micro_batch_size]
+        ids = torch.from_numpy(right_pad([np.array(i) for i, _ in micro], 0, np.int64)).to(device)  # [B, T]
+        attention_mask = torch.from_numpy(right_pad([np.ones(len(i)) for i, _ in micro], 0, np.int64)).to(device)
+        loss_mask = torch.from_numpy(right_pad([np.array(m) for _, m in micro], 0, np.float32)).to(device)
+        logprobs = token_logprobs(forward_logits(model, ids, attention_mask), ids, 1.0)  # [B, T-1]
+        loss = -(logprobs * loss_mask[:, 1:]).sum() / num_tokens
+        loss.backward()
+        total_loss += loss.item()
+        total_tokens += int(attention_mask.sum())
+    grad_norm, lr = clip_and_step(model, optimizer, scheduler, cfg.optim.max_grad_norm)
+    return {"loss/sft": total_loss, "optim/grad_norm": grad_norm, "optim/lr": lr,
+            "perf/loss_tokens": num_tokens, "perf/tokens": total_tokens}
+
+
+# --------------------------------------------------------------------------- data
+
+
+def load_examples(path: Path, tokenizer, seq_len: int) -> list[Example]:
+    """Tokenized chats with assistant masks, cut to seq_len; chats left with no target are dropped."""
+    examples, dropped = [], 0
+    for lineno, line in enumerate(Path(path).read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            messages = json.loads(line)["messages"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"{path}:{lineno}: expected a JSON object with `messages`: {e}") from None
+        ids, mask = tokenize_chat(tokenizer, messages)
+        ids, mask = ids[:seq_len], mask[:seq_len]
+        if sum(mask[1:]) == 0:
+            dropped += 1
+            continue
+        examples.append((ids, mask))
+    if dropped:
+        log(f"dropped {dropped} chats with no assistant tokens within seq_len {seq_len}")
+    if not examples:
+        raise ValueError(f"{path}: no usable chats (need assistant turns within seq_len {seq_len})")
+    return examples
+
+
+def tokenize_chat(tokenizer, messages: list[dict]) -> Example:
+    """(input_ids, loss_mask) with 1 exactly on the tokens of each assistant turn.
+
+    Generic for any chat template: a turn's tokens are those between the conversation up
+    to it rendered with the generation prompt, and the conversation including it. The
+    turn ends at its last end-of-turn (special) token: whatever the template writes after
+    it (ChatML's newline) is formatting the model never generates, since decoding stops there.
+    """
+    ids = _render(tokenizer, messages)
+    mask = [0] * len(ids)
+    end_of_turn = end_of_turn_ids(tokenizer)
+    for i, message in enumerate(messages):
+        if message.get("role") != "assistant":
+            continue
+        prefix = _render(tokenizer, messages[:i], add_generation_prompt=True)
+        upto = _render(tokenizer, messages[: i + 1])
+        if upto[: len(prefix)] != prefix or ids[: len(upto)] != upto:
+            raise ValueError(
+                f"chat template does not render turn {i} as an extension of the turns before it "
+                "(e.g. it rewrites earlier turns); cannot locate the assistant tokens"
+            )
+        turn = upto[len(prefix) :]
+        stops = [j for j, t in enumerate(turn) if t in end_of_turn]
+        end = len(prefix) + (stops[-1] + 1 if stops else len(turn))
+        mask[len(prefix) : end] = [1] * (end - len(prefix))
+    return ids, mask
+
+
+def end_of_turn_ids(tokenizer) -> set[int]:
+    """eos plus every special added token (ChatML's <|im_end|>, Llama 3's <|eot_id|>, ...)."""
+    ids = {i for i, tok in tokenizer.added_tokens_decoder.items() if tok.special}
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
+def _render(tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> list[int]:
+    # return_dict=False: transformers 5 returns a BatchEncoding by default, 4.x a list.
+    out = tokenizer.apply_chat_template(
+        messages, tokenize=True, add_generation_prompt=add_generation_prompt, return_dict=False
+    )
+    return list(out)
+
+
+def batch_stream(examples: list[Example], batch_size: int, seed: int) -> Iterator[list[Example]]:
+    """Endless batches: each epoch is a fresh seeded shuffle; a batch may span two epochs."""
+    rng = random.Random(seed)
+
+    def indices() -> Iterator[int]:
+        while True:
+            order = list(range(len(examples)))
+            rng.shuffle(order)
+            yield from order
+
+    stream = indices()
+    while True:
+        yield [examples[i] for i in itertools.islice(stream, batch_size)]
+
+
+# --------------------------------------------------------------------------- output
+
+
+def save_model(model: nn.Module, tokenizer, source_model: str, output_dir: Path) -> None:
+    """HF folder (safetensors) + tokenizer, then the marker, written last and fsynced.
+
+    SFT does not change the tokenizer: a local source's files are copied as they are.
+    """
+    model.save_pretrained(output_dir)
+    if not copy_tokenizer_files(Path(source_model), output_dir):
+        tokenizer.save_pretrained(output_dir)
+    with open(output_dir / MARKER, "w") as f:
+        f.write("sft\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        cfg = process_config(SFTConfig, argv)
+    except ConfigError as e:
+        print(f"[sft] config error:\n{e}", file=sys.stderr, flush=True)
+        return 2
+    try:
+        train_sft(cfg)
+    except KeyboardInterrupt:
+        print("[sft] interrupted", file=sys.stderr, flush=True)
+        return 130
+    except Exception as e:  # noqa: BLE001 - the process ends here; say why in one line
+        traceback.print_exc()
+        print(f"[sft] failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,114 @@
+"""Weight handoff to inference: ``RUN/weights/step_N/`` as an HF folder, marker last.
+
+The folder holds ``model.safetensors`` (HF parameter names, tied tensors stored once),
+``config.json``, ``generation_config.json`` and the source model's tokenizer files, so it
+loads with ``AutoModelForCausalLM.from_pretrained`` and with vLLM's ``reload_weights``
+(which reads every ``*.safetensors`` in the folder). It is filled under ``step_N.tmp``,
+renamed, and only then gets its marker (``prime_rl.rundir``): readers act on the marker.
+This module does not know who reads the folder or when.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+from torch import nn
+
+from prime_rl.rundir import begin_step_dir, finish_step_dir, prune_step_dirs, weights_dir
+
+# Non-weight files of an HF model folder worth carrying along (small; tokenizer + template).
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+)
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Unsharded CPU state dict with HF names; under FSDP2 a collective every rank must call.
+
+    With FSDP2 only rank 0 gets tensors (``cpu_offload=True`` leaves the others empty).
+    """
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return model.state_dict()
+
+
+def dedupe_tied(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Store each tensor once, contiguous, on CPU: drop tied targets (HF re-ties them on load).
+
+    A tied target (e.g. ``lm_head.weight`` -> ``model.embed_tokens.weight``) is dropped when
+    its source is present, which is how HF and vLLM expect tied checkpoints; any other names
+    sharing one storage keep only the first (safetensors refuses shared tensors).
+    """
+    tied = getattr(model, "all_tied_weights_keys", None) or {}  # {target: source}
+    out: dict[str, torch.Tensor] = {}
+    seen: set[tuple[int, int, tuple[int, ...]]] = set()
+    for name, tensor in state.items():
+        if name in tied and tied[name] in state:
+            continue
+        t = tensor.detach()
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
+        if t.numel() and key in seen:
+            continue
+        seen.add(key)
+        out[name] = t.to("cpu").contiguous()
+    return out
+
+
+def write_hf_folder(
+    model: nn.Module, state: dict[str, torch.Tensor], folder: Path, source_model_dir: str | Path | None
+) -> None:
+    """model.safetensors + config.json + generation_config.json (+ tokenizer files) into folder."""
+    folder = Path(folder)
+    save_file(dedupe_tied(model, state), str(folder / "model.safetensors"), metadata={"format": "pt"})
+    model.config.save_pretrained(folder)
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(folder)
+    if source_model_dir is not None:  # a hub id has no local folder: weights + config suffice
+        copy_tokenizer_files(Path(source_model_dir), folder)
+
+
+def copy_tokenizer_files(source: Path, dest: Path) -> bool:
+    """Copy the tokenizer files of a local model folder verbatim; False if source is no folder.
+
+    Verbatim rather than re-saved: a re-save rewrites tokenizer_config.json for the running
+    transformers version, which another version (the inference side's) may not read.
+    """
+    if not source.is_dir():
+        return False
+    for name in TOKENIZER_FILES:
+        if (source / name).is_file():
+            shutil.copy2(source / name, dest / name)
+    return True
+
+
+def save_weights(
+    model: nn.Module, run_dir: Path, step: int, keep_last: int, source_model_dir: str | Path | None = None
+) -> Path | None:
+    """Publish policy version ``step`` as ``RUN/weights/step_N`` (marker last), prune old ones.
+
+    Every rank must call this (gathering is collective); rank 0 writes and returns the
+    folder, other ranks return None.
+    """
+    state = full_state_dict(model)
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return None
+    parent = weights_dir(run_dir)
+    tmp = begin_step_dir(parent, step)
+    write_hf_folder(model, state, tmp, source_model_dir)
+    final = finish_step_dir(tmp, step)
+    prune_step_dirs(parent, keep_last)
+    return final

@@ -1,0 +1,63 @@
+"""SFT: assistant-only masks on a hand-checked chat, and a tiny end-to-end run."""
+
+import json
+import random
+
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from prime_rl.rundir import MARKER, read_jsonl
+from trainer.sft import main, tokenize_chat
+
+IM_START, IM_END, NL = 257, 258, 10  # tiny byte-level tokenizer: byte ids, then specials
+
+
+def test_assistant_mask_hand_checked(tiny_model):
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    chat = [
+        {"role": "user", "content": "ab"},
+        {"role": "assistant", "content": "ba"},
+        {"role": "user", "content": "cd"},
+        {"role": "assistant", "content": "dc"},
+    ]
+    ids, mask = tokenize_chat(tok, chat)
+
+    def turn(role, content):  # <|im_start|>role\ncontent<|im_end|>\n
+        return [IM_START, *role.encode(), NL, *content.encode(), IM_END, NL]
+
+    assert ids == turn("user", "ab") + turn("assistant", "ba") + turn("user", "cd") + turn("assistant", "dc")
+    # Only each assistant reply and its <|im_end|>; not the role header, not the newline after.
+    assistant_turn_mask = [0] * (1 + len("assistant") + 1) + [1, 1, 1] + [0]
+    user_turn_mask = [0] * len(turn("user", "ab"))
+    assert mask == user_turn_mask + assistant_turn_mask + user_turn_mask + assistant_turn_mask
+    assert [t for t, m in zip(ids, mask) if m] == [ord("b"), ord("a"), IM_END, ord("d"), ord("c"), IM_END]
+
+
+def test_sft_run_writes_a_loadable_model_with_marker(tiny_model, tmp_path):
+    rng = random.Random(0)
+    with open(tmp_path / "chats.jsonl", "w") as f:
+        for _ in range(16):
+            word = "".join(rng.choice("abcdefgh") for _ in range(rng.randint(3, 6)))
+            chat = [{"role": "user", "content": word}, {"role": "assistant", "content": word[::-1]}]
+            f.write(json.dumps({"messages": chat}) + "\n")
+    out = tmp_path / "sft"
+    config = {
+        "model": {"name": str(tiny_model)},
+        "data": {"path": str(tmp_path / "chats.jsonl"), "batch_size": 8, "micro_batch_size": 4},
+        "optim": {"lr": 3e-3},
+        "max_steps": 12,
+        "seq_len": 64,
+        "output_dir": str(out),
+        "num_threads": 1,
+    }
+    (tmp_path / "sft.json").write_text(json.dumps(config))
+
+    assert main(["--config", str(tmp_path / "sft.json")]) == 0
+
+    assert (out / MARKER).is_file() and (out / "model.safetensors").is_file()
+    AutoModelForCausalLM.from_pretrained(out)
+    AutoTokenizer.from_pretrained(out)
+    assert (out / "tokenizer_config.json").read_text() == (tiny_model / "tokenizer_config.json").read_text()
+    rows = read_jsonl(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(1, 13)) and all(r["process"] == "sft" for r in rows)
+    assert {"loss/sft", "perf/tokens_per_s", "time/step"} <= rows[0].keys()
+    assert rows[-1]["loss/sft"] < rows[0]["loss/sft"]

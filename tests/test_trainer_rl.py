@@ -1,0 +1,243 @@
+"""trainer.rl against a fake orchestrator: a PUSH socket in the test sends hand-made batches.
+
+The end-to-end test runs `python -m trainer.rl` as a real process; the rest are fast
+in-process checks of the receiver, config errors and padding invariance.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import zmq
+from helpers import free_port
+
+from prime_rl.config import TransportConfig
+from prime_rl.rundir import MARKER, complete_steps, read_jsonl, weights_dir
+from prime_rl.wire import SCHEMA_VERSION, MicroBatch, TrainBatch, encode_batch, make_sample
+from trainer.data import BatchReceiver, collate
+from trainer.model import forward_logits
+from trainer.rl import main
+
+TEMPERATURE = 0.8
+WORDS = ["abc", "hello", "xyz", "reverse"]
+
+
+def make_samples(model_dir: Path, policy_version: int) -> list:
+    """Reverse-text style chats; inference logprobs from transformers on the same weights."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    samples = []
+    for i, word in enumerate(WORDS):
+        chat = [{"role": "user", "content": word}]
+        prompt = tok.apply_chat_template(chat, add_generation_prompt=True, return_dict=False)
+        completion = list(word[::-1].encode()) + [tok.eos_token_id]  # byte-level: id == byte
+        ids = torch.tensor([prompt + completion])
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[0].float() / TEMPERATURE  # [T, V]
+        lp = torch.log_softmax(logits[:-1], -1).gather(-1, ids[0, 1:, None])[:, 0]  # scores tokens 1..T-1
+        logprobs = [0.0] * len(prompt) + lp[len(prompt) - 1 :].tolist()
+        mask = [0] * len(prompt) + [1] * len(completion)
+        adv = [1.0, -1.0, 0.5, -0.5][i]
+        meta = {"advantage": adv, "reward": adv, "policy_version": policy_version, "example_id": i}
+        samples.append(make_sample(prompt + completion, mask, logprobs, **meta))
+    return samples
+
+
+def batch_frame(step: int, samples: list, schema_version: int = SCHEMA_VERSION) -> bytes:
+    micro = [MicroBatch(samples=samples[:2]), MicroBatch(samples=samples[2:])]
+    return encode_batch(TrainBatch(schema_version, step, rank=0, temperature=TEMPERATURE, micro_batches=micro))
+
+
+def test_rl_trainer_process_trains_and_publishes_weights(tiny_model, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    run = tmp_path / "run"
+    port = free_port()
+    config = {
+        "model": {"name": str(tiny_model)},
+        "output_dir": str(run),
+        "max_steps": 2,
+        "seq_len": 64,
+        "transport": {"port": port, "timeout_s": 60},
+        "optim": {"lr": 1e-3},
+    }
+    (tmp_path / "trainer.json").write_text(json.dumps(config))
+    samples = make_samples(tiny_model, policy_version=0)
+
+    ctx = zmq.Context()
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.SNDTIMEO, 90_000)  # a bound PUSH blocks until the trainer connects
+    push.setsockopt(zmq.LINGER, 0)
+    push.bind(f"tcp://127.0.0.1:{port}")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    t0 = time.monotonic()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "trainer.rl", "--config", str(tmp_path / "trainer.json")],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+    )
+    try:
+        push.send(b"\xc1 garbage: 0xc1 is never valid msgpack")
+        push.send(batch_frame(0, samples, schema_version=SCHEMA_VERSION + 1))
+        push.send(batch_frame(0, samples))
+        push.send(batch_frame(1, samples))
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        push.close()
+        ctx.term()
+    print(out)
+    print(f"trainer process took {time.monotonic() - t0:.1f}s")
+
+    assert proc.returncode == 0, out
+    assert not Path(f"/proc/{proc.pid}").exists()
+    rejected = [line for line in out.splitlines() if "rejected a message" in line]
+    assert len(rejected) == 2, out
+    assert "not a msgpack train batch" in rejected[0] and "wrong schema version" in rejected[1]
+
+    assert complete_steps(weights_dir(run)) == [1, 2]
+    for step in (1, 2):
+        assert (weights_dir(run) / f"step_{step}" / MARKER).is_file()
+    initial = AutoModelForCausalLM.from_pretrained(tiny_model).state_dict()
+    trained = AutoModelForCausalLM.from_pretrained(weights_dir(run) / "step_2").state_dict()
+    assert initial.keys() == trained.keys()
+    assert any(not torch.equal(initial[k], trained[k]) for k in initial)
+
+    rows = [r for r in read_jsonl(run / "metrics.jsonl") if r["process"] == "trainer"]
+    assert [r["step"] for r in rows] == [0, 1]
+    first = rows[0]
+    assert first["loss/mismatch_kl"] < 1e-3
+    assert first["loss/ratio"] == pytest.approx(1.0, abs=1e-4)
+    assert first["loss/masked_frac"] == 0.0
+    assert first["perf/samples"] == 4 and first["perf/loss_tokens"] == sum(len(w) + 1 for w in WORDS)
+    assert [r["staleness/max"] for r in rows] == [0, 1]  # both batches were sampled by version 0
+    for key in ("loss/policy", "loss/entropy", "optim/grad_norm", "optim/lr", "perf/tokens_per_s",
+                "time/step", "time/wait_batch", "time/train", "time/save_weights"):
+        assert key in first, key
+    # Step 2 trains on rollouts of version 0 after one update: the ratio has moved off 1.
+    assert rows[1]["loss/mismatch_kl"] > first["loss/mismatch_kl"]
+
+
+def test_receiver_skips_invalid_frames_and_times_out(tiny_model):
+    port = free_port()
+    logged = []
+    ctx = zmq.Context()
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 0)
+    push.bind(f"tcp://127.0.0.1:{port}")
+    sample = make_sample([1, 2, 3], [0, 1, 1], [0.0, -1.0, -2.0], advantage=1, reward=1, policy_version=0, example_id=0)
+    good = encode_batch(TrainBatch(SCHEMA_VERSION, 3, 0, 1.0, [MicroBatch([sample])]))
+    other_rank = encode_batch(TrainBatch(SCHEMA_VERSION, 3, 1, 1.0, [MicroBatch([sample])]))
+    with BatchReceiver(TransportConfig(port=port, timeout_s=0.3), rank=0, log=logged.append) as receiver:
+        for frame in (b"junk", other_rank, good):
+            push.send(frame)
+        assert receiver.receive(3).step == 3
+        assert len(logged) == 2 and "rank 1" in logged[1]
+        with pytest.raises(TimeoutError, match=rf"no batch for step 4 from tcp://127.0.0.1:{port} within 0.3s"):
+            receiver.receive(4)
+    push.close()
+    ctx.term()
+
+
+def test_config_error_exits_2(tmp_path, capsys):
+    assert main(["--config", str(tmp_path / "missing.json")]) == 2
+    assert main(["--max-steps", "zero"]) == 2
+    assert "max_steps" in capsys.readouterr().err
+
+
+def test_no_batch_fails_with_a_clear_message(tiny_model, tmp_path, capsys):
+    port = free_port()
+    argv = ["--model.name", str(tiny_model), "--output-dir", str(tmp_path / "run"),
+            "--transport.port", str(port), "--transport.first-batch-timeout-s", "0.5"]
+    assert main(argv) == 1
+    assert f"failed: TimeoutError: no batch for step 0 from tcp://127.0.0.1:{port} within 0.5s" in capsys.readouterr().err
+    assert not (tmp_path / "run" / "weights").exists()
+
+
+def test_padding_does_not_change_logprobs(tiny_model):
+    from transformers import AutoModelForCausalLM
+
+    from trainer.loss import token_logprobs
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    meta = {"advantage": 0, "reward": 0, "policy_version": 0, "example_id": 0}
+    short = make_sample([257, 97, 98, 258], [0, 1, 1, 1], [0.0] * 4, **meta)
+    long = make_sample(list(range(97, 117)), [0] * 10 + [1] * 10, [0.0] * 20, **meta)
+    with torch.no_grad():
+        alone = collate(MicroBatch([short]), 64, 0, torch.device("cpu"))
+        padded = collate(MicroBatch([long, short]), 64, 0, torch.device("cpu"))
+        lp_alone, lp_padded = (
+            token_logprobs(forward_logits(model, m.input_ids, m.attention_mask), m.input_ids, 1.0)
+            for m in (alone, padded)
+        )
+    assert padded.input_ids.shape == (2, 20)
+    torch.testing.assert_close(lp_padded[1, :3], lp_alone[0], atol=1e-5, rtol=0)
+
+
+@pytest.mark.slow
+def test_two_fsdp_ranks_match_one_process(tiny_model, tmp_path):
+    """torchrun with 2 gloo ranks (FSDP2, unequal micro-batch counts) == one process on the same step."""
+    from safetensors.torch import load_file
+
+    samples = make_samples(tiny_model, policy_version=0)
+    one = run_trainer(tiny_model, tmp_path / "one", world=1, splits=[[[0, 1], [2, 3]]], samples=samples)
+    two = run_trainer(tiny_model, tmp_path / "two", world=2, splits=[[[0], [1]], [[2, 3]]], samples=samples)
+    initial = load_file(str(tiny_model / "model.safetensors"))
+    assert one.keys() == two.keys()
+    assert max((one[k] - initial[k]).abs().max().item() for k in one) > 1e-3  # it did train
+    assert max((one[k] - two[k]).abs().max().item() for k in one) < 2e-5
+
+
+def run_trainer(model_dir: Path, run: Path, world: int, splits: list, samples: list) -> dict:
+    """Run trainer.rl for 2 steps on `world` ranks; rank r gets micro-batches splits[r] (sample indices)."""
+    from safetensors.torch import load_file
+
+    port = free_port() if world == 1 else _free_port_pair()
+    run.mkdir(parents=True)
+    config = {"model": {"name": str(model_dir)}, "output_dir": str(run), "max_steps": 2, "seq_len": 64,
+              "transport": {"port": port, "timeout_s": 120}, "optim": {"lr": 1e-3}}
+    (run / "trainer.json").write_text(json.dumps(config))
+    launcher = ["-m", "torch.distributed.run", "--nproc-per-node", str(world)] if world > 1 else []
+    ctx = zmq.Context()
+    socks = [ctx.socket(zmq.PUSH) for _ in range(world)]
+    for r, sock in enumerate(socks):
+        sock.setsockopt(zmq.SNDTIMEO, 120_000)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.bind(f"tcp://127.0.0.1:{port + r}")
+    proc = subprocess.Popen([sys.executable, *launcher, "-m", "trainer.rl", "--config", str(run / "trainer.json")],
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        for step in (1, 2):
+            for r, sock in enumerate(socks):
+                micro = [MicroBatch([samples[i] for i in mb]) for mb in splits[r]]
+                sock.send(encode_batch(TrainBatch(SCHEMA_VERSION, step, r, TEMPERATURE, micro)))
+        assert proc.wait(timeout=300) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for sock in socks:
+            sock.close()
+        ctx.term()
+    return load_file(str(run / "weights" / "step_2" / "model.safetensors"))
+
+
+def _free_port_pair() -> int:
+    for _ in range(50):
+        port = free_port()
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", port + 1))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError("no two consecutive free ports")
