@@ -130,6 +130,9 @@ class TransportConfig(StrictModel):
     timeout_s: float = Field(600.0, gt=0)
     """Longest wait for one send or receive before the process fails with a message."""
 
+    first_batch_timeout_s: float = Field(1800.0, gt=0)
+    """Longest wait for the first batch: it covers inference start-up (see `orchestrator.client.startup_timeout_s`)."""
+
 
 # --------------------------------------------------------------------------- trainer
 
@@ -226,6 +229,9 @@ class ClientConfig(StrictModel):
     max_concurrency: int = Field(64, ge=1)
     """Most requests in flight at once."""
 
+    startup_timeout_s: float = Field(900.0, gt=0)
+    """Longest wait for the inference server to become healthy (vLLM takes 30-75 s on CPU, minutes for large models)."""
+
 
 class OrchestratorConfig(StrictModel):
     model: str = "Qwen/Qwen3-0.6B"
@@ -259,7 +265,7 @@ class OrchestratorConfig(StrictModel):
     """Number of steps to produce batches for."""
 
     async_level: int = Field(1, ge=0)
-    """Batch for step n is sampled with policy version >= n - async_level."""
+    """Batch for step n is sampled with policy version >= n - async_level (versions count optimizer steps; 0 = on-policy)."""
 
     seq_len: int = Field(512, ge=8)
     """Maximum tokens (prompt + completion) per sample."""
@@ -281,6 +287,10 @@ class OrchestratorConfig(StrictModel):
         if self.batch_size % self.rollouts_per_example:
             raise ValueError(
                 f"batch_size ({self.batch_size}) must be divisible by rollouts_per_example ({self.rollouts_per_example})"
+            )
+        if self.batch_size % self.num_trainer_ranks:
+            raise ValueError(
+                f"batch_size ({self.batch_size}) must split evenly over num_trainer_ranks ({self.num_trainer_ranks})"
             )
         return self
 

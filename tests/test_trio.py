@@ -1,0 +1,90 @@
+"""The real trio (vLLM server, orchestrator, trainer) on the tiny model, headless and in tmux."""
+
+import os
+import subprocess
+import sys
+import time
+
+from helpers import REPO, new_tag, tagged_processes, trio_toml
+from prime_rl.launcher import tail
+from prime_rl.rundir import MARKER, log_path, metrics_path, read_jsonl, weights_step_dir
+
+MAX_STEPS = 4
+ASYNC_LEVEL = 1
+
+
+def launch(tmp_path, tiny_model, run_name: str, *flags: str):
+    run_dir = tmp_path / run_name
+    config = tmp_path / f"{run_name}.toml"
+    config.write_text(trio_toml(tiny_model, run_dir, max_steps=MAX_STEPS, async_level=ASYNC_LEVEL))
+    tag = new_tag()
+    env = {**os.environ, "PRIME_RL_TEST_TAG": tag}
+    cmd = [sys.executable, "-m", "prime_rl.cli", str(config), *flags]
+    proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return proc, run_dir, tag
+
+
+def finish(proc, run_dir, timeout=900) -> str:
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        out, _ = proc.communicate(timeout=60)
+    logs = "".join(f"\n--- {p} ---\n{tail(log_path(run_dir, p), 40)}" for p in ("inference", "orchestrator", "trainer"))
+    assert proc.returncode == 0, out + logs
+    return out
+
+
+def test_real_trio_headless(tmp_path, tiny_model):
+    proc, run_dir, tag = launch(tmp_path, tiny_model, "headless", "--no-tmux")
+    finish(proc, run_dir)
+    rows = read_jsonl(metrics_path(run_dir))
+
+    orchestrator = [r for r in rows if r["process"] == "orchestrator" and "reward/mean" in r]
+    assert [r["step"] for r in orchestrator] == list(range(MAX_STEPS))
+    for row in orchestrator:  # staleness/max is the max over every sample of the step
+        assert 0 <= row["staleness/max"] <= ASYNC_LEVEL, row
+        assert row["policy/version"] >= row["step"] - ASYNC_LEVEL, row
+
+    # New weights were reloaded into vLLM (newest first when several were ready), in order,
+    # and every version a step needed came from such a reload.
+    reloaded = [r["weights/reloaded_step"] for r in orchestrator if "weights/reloaded_step" in r]
+    assert reloaded == sorted(set(reloaded)) and reloaded, reloaded
+    assert {r["policy/version"] for r in orchestrator} <= {0, *reloaded}
+    assert reloaded[-1] >= MAX_STEPS - 1 - ASYNC_LEVEL
+
+    trainer = [r for r in rows if r["process"] == "trainer" and "loss/mismatch_kl" in r]
+    assert [r["step"] for r in trainer] == list(range(MAX_STEPS))
+    assert trainer[0]["loss/mismatch_kl"] < 1e-3, trainer[0]
+    assert (weights_step_dir(run_dir, MAX_STEPS) / MARKER).is_file()
+
+    assert tagged_processes(tag) == [], "no child process may survive the run"
+
+
+def test_tmux_mode_shows_one_pane_per_process(tmp_path, tiny_model):
+    import libtmux
+
+    proc, run_dir, tag = launch(tmp_path, tiny_model, f"tmux-{os.getpid()}")
+    session_name = f"prime-rl-{run_dir.name}"
+    server = libtmux.Server()
+    seen: dict[str, bool] = {}
+    deadline = time.monotonic() + 600
+    # Each pane follows its own process's log: wait until every pane shows its process's lines.
+    while proc.poll() is None and time.monotonic() < deadline and len(seen) < 3:
+        try:
+            if server.has_session(session_name):
+                panes = server.sessions.get(session_name=session_name).active_window.panes
+                assert len(panes) == 3
+                for pane, name in zip(panes, ("inference", "orchestrator", "trainer")):
+                    text = "\n".join(pane.capture_pane())
+                    if f"[{name}]" in text:
+                        seen[name] = True
+        except Exception as e:  # noqa: BLE001 - the session may vanish between calls
+            if isinstance(e, AssertionError):
+                raise
+        time.sleep(1)
+    assert set(seen) == {"inference", "orchestrator", "trainer"}, seen
+    out = finish(proc, run_dir)
+    assert f"tmux attach -t {session_name}" in out
+    assert not server.has_session(session_name), "the tmux session must be gone after the run"
+    assert tagged_processes(tag) == []
