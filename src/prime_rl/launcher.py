@@ -144,8 +144,9 @@ class TmuxView:
             session_name=session_name, window_name="prime-rl", attach=False, window_command=self._follow(logs[0])
         )
         window = self.session.active_window
-        for log in logs[1:]:
-            window.split(shell=self._follow(log))
+        pane = window.active_pane
+        for log in logs[1:]:  # split the newest pane so panes stay in process order
+            pane = pane.split(shell=self._follow(log))
         window.select_layout("even-vertical")
         for pane, name in zip(window.panes, names):
             pane.cmd("select-pane", "-T", name)

