@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/env.sh
-uv sync --quiet
+uv sync --quiet --compile-bytecode
 
 OUT=outputs/reverse-text
 echo "== 1/4 tiny model -> $OUT/base"

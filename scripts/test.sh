@@ -5,5 +5,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/env.sh
-uv sync --quiet
+uv sync --quiet --compile-bytecode
 exec uv run --no-sync pytest "$@"

@@ -104,9 +104,9 @@ class StubClient:
     def __init__(self, text):
         self.text, self.asked = text, []
 
-    async def chat(self, messages, *, max_tokens, temperature):
+    async def chat_n(self, messages, *, n, max_tokens, temperature):
         self.asked.append((messages, max_tokens, temperature))
-        return ChatResult([1, 2, 3], [4, 5], [-0.5, -1.0], self.text, "stop")
+        return [ChatResult([1, 2, 3], [4, 5], [-0.5, -1.0], self.text, "stop") for _ in range(n)]
 
 
 def test_single_turn_rollout_returns_tokens_and_reward():

@@ -173,3 +173,55 @@ def test_parse_empty_completion():
     payload = response([], [])
     payload["choices"][0]["logprobs"] = None  # vLLM's shape when nothing was generated
     assert parse_chat_response(payload).completion_ids == []
+
+
+def test_chat_n_returns_every_choice_from_one_request():
+    with FakeInferenceServer() as server:
+        results = run_with_client(server, lambda c: c.chat_n(MESSAGES, n=3, max_tokens=16, temperature=1.0))
+    assert len(server.calls) == 1 and server.calls[0][2]["n"] == 3
+    # the fake answers sample 0 and 2 reversed, sample 1 echoed
+    assert [r.text for r in results] == ["cba", "abc", "cba"]
+    assert all(r.prompt_ids == encode_chat(MESSAGES) for r in results)
+
+
+def test_refused_connection_is_retried_until_the_server_is_up():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    servers = []  # created late: binding the port is what makes connections succeed
+
+    async def go():
+        client = InferenceClient(
+            ClientConfig(base_url=f"http://127.0.0.1:{port}", timeout_s=5, max_retries=4, retry_backoff_s=0.2), "tiny"
+        )
+        threading.Timer(0.3, lambda: servers.append(FakeInferenceServer(port=port).start())).start()
+        try:
+            return await client.chat(MESSAGES, max_tokens=8, temperature=1.0), client.retries
+        finally:
+            await client.close()
+
+    try:
+        result, retries = asyncio.run(go())
+    finally:
+        for server in servers:
+            server.stop()
+    assert result.text == "cba" and retries >= 1
+
+
+def test_connection_errors_fail_clearly_after_the_retries():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+
+    async def go():
+        client = InferenceClient(
+            ClientConfig(base_url=f"http://127.0.0.1:{port}", timeout_s=5, max_retries=2, retry_backoff_s=0.01), "tiny"
+        )
+        try:
+            await client.chat(MESSAGES, max_tokens=8, temperature=1.0)
+        finally:
+            assert client.retries == 2
+            await client.close()
+
+    with pytest.raises(InferenceError, match=rf"POST http://127.0.0.1:{port}/v1/chat/completions failed: ConnectError"):
+        asyncio.run(go())

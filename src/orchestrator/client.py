@@ -54,11 +54,17 @@ class InferenceClient:
             headers=headers,
             timeout=httpx.Timeout(config.timeout_s),
             # One connection per concurrent request, so the semaphore is the only limit.
+            # keepalive_expiry below uvicorn's 5 s keep-alive: a pooled connection the server
+            # is closing must not be reused (that shows up as a ReadError mid-run).
             limits=httpx.Limits(
-                max_connections=config.max_concurrency, max_keepalive_connections=config.max_concurrency
+                max_connections=config.max_concurrency,
+                max_keepalive_connections=config.max_concurrency,
+                keepalive_expiry=2.0,
             ),
         )
         self._slots = asyncio.Semaphore(config.max_concurrency)
+        self.retries = 0
+        """Requests retried after a transient transport error (reported in the metrics)."""
 
     async def close(self) -> None:
         await self._http.aclose()
@@ -66,6 +72,12 @@ class InferenceClient:
     # ----------------------------------------------------------------------- sampling
 
     async def chat(self, messages: list[dict[str, Any]], *, max_tokens: int, temperature: float) -> ChatResult:
+        return (await self.chat_n(messages, n=1, max_tokens=max_tokens, temperature=temperature))[0]
+
+    async def chat_n(
+        self, messages: list[dict[str, Any]], *, n: int, max_tokens: int, temperature: float
+    ) -> list[ChatResult]:
+        """``n`` independent samples of one prompt in one request (one prefill, one HTTP round trip)."""
         body = {
             "model": self.model_name,
             "messages": messages,
@@ -73,11 +85,14 @@ class InferenceClient:
             "temperature": temperature,
             "logprobs": True,
             "return_token_ids": True,
-            "n": 1,
+            "n": n,
         }
         async with self._slots:
             response = await self._post("/v1/chat/completions", json=body)
-        return parse_chat_response(response.json())
+        results = parse_chat_choices(response.json())
+        if len(results) != n:
+            raise InferenceError(f"asked for {n} choices, the server returned {len(results)}")
+        return results
 
     # ----------------------------------------------------------------------- admin
 
@@ -132,7 +147,7 @@ class InferenceClient:
     async def _post(self, path: str, *, check: bool = True, **kwargs: Any) -> httpx.Response | None:
         url = f"{self.base_url}{path}"
         try:
-            response = await self._http.post(path, **kwargs)
+            response = await self._post_with_retries(path, **kwargs)
         except httpx.TimeoutException:
             if not check:
                 return None
@@ -146,6 +161,20 @@ class InferenceClient:
         return response
 
 
+    async def _post_with_retries(self, path: str, **kwargs: Any) -> httpx.Response:
+        """Retry connection-level failures (a dropped keep-alive connection, a refused
+        connect) with exponential backoff; timeouts and HTTP errors are not retried here."""
+        for attempt in range(self.config.max_retries + 1):
+            try:
+                return await self._http.post(path, **kwargs)
+            except (httpx.ConnectError, httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError):
+                if attempt == self.config.max_retries:
+                    raise
+                self.retries += 1
+                await asyncio.sleep(self.config.retry_backoff_s * 2**attempt)
+        raise AssertionError("unreachable")
+
+
 def _reset_succeeded(response: httpx.Response) -> bool:
     # Older servers answer an empty 200; newer ones {"success": bool}.
     try:
@@ -157,17 +186,30 @@ def _reset_succeeded(response: httpx.Response) -> bool:
 
 def parse_chat_response(payload: dict[str, Any]) -> ChatResult:
     """The first choice of a vLLM chat completion, with its exact tokens and logprobs."""
+    return parse_chat_choices(payload)[0]
+
+
+def parse_chat_choices(payload: dict[str, Any]) -> list[ChatResult]:
+    """Every choice of a vLLM chat completion (in choice order), with exact tokens and logprobs."""
     prompt_ids = payload.get("prompt_token_ids")
-    choices = payload.get("choices") or []
+    choices = sorted(payload.get("choices") or [], key=lambda c: c.get("index", 0))
     if not choices:
         raise InferenceError(f"chat completion has no choices: {str(payload)[:300]}")
-    choice = choices[0]
+    if prompt_ids is None:
+        raise InferenceError(_NO_TOKEN_IDS)
+    return [_parse_choice(choice, [int(t) for t in prompt_ids]) for choice in choices]
+
+
+_NO_TOKEN_IDS = (
+    "chat completion lacks prompt_token_ids / choices[i].token_ids: the server must be vLLM and honour "
+    "`return_token_ids` (and not hide them behind a reasoning parser with include_reasoning=false)"
+)
+
+
+def _parse_choice(choice: dict[str, Any], prompt_ids: list[int]) -> ChatResult:
     completion_ids = choice.get("token_ids")
-    if prompt_ids is None or completion_ids is None:
-        raise InferenceError(
-            "chat completion lacks prompt_token_ids / choices[0].token_ids: the server must be vLLM and honour "
-            "`return_token_ids` (and not hide them behind a reasoning parser with include_reasoning=false)"
-        )
+    if completion_ids is None:
+        raise InferenceError(_NO_TOKEN_IDS)
     content = (choice.get("logprobs") or {}).get("content") or []
     logprobs = [float(entry["logprob"]) for entry in content]
     if len(logprobs) != len(completion_ids):
@@ -178,7 +220,7 @@ def parse_chat_response(payload: dict[str, Any]) -> ChatResult:
     if not all(math.isfinite(lp) for lp in logprobs):
         raise InferenceError("chat completion has a non-finite logprob")
     return ChatResult(
-        prompt_ids=[int(t) for t in prompt_ids],
+        prompt_ids=prompt_ids,
         completion_ids=[int(t) for t in completion_ids],
         completion_logprobs=logprobs,
         text=(choice.get("message") or {}).get("content") or "",

@@ -5,7 +5,7 @@ without a model. Lets the orchestrator (or anyone) run without vLLM.
   are <|im_start|>/<|im_end|>, as for the tiny test model), a ChatML prompt, and a completion chosen by
   ``responder(messages, request_index)`` followed by the <|im_end|> stop token, as vLLM
   returns it. Honors ``max_tokens`` (finish_reason `length`). Returns
-  ``prompt_token_ids``, ``choices[0].token_ids`` and ``choices[0].logprobs.content``.
+  ``prompt_token_ids``, ``choices[i].token_ids`` and ``choices[i].logprobs.content`` for ``n`` choices.
 - ``GET /health``, ``POST /pause``, ``/collective_rpc``, ``/reset_prefix_cache``,
   ``/resume``: answered like vLLM's dev-mode server and recorded in ``calls`` in order.
 - ``fail``: {path: status} makes that path answer the status (fault injection).
@@ -116,7 +116,26 @@ class FakeInferenceServer:
         return 404, {"detail": "Not Found"}
 
     def chat_completion(self, body: dict[str, Any], index: int) -> dict[str, Any]:
-        text = self.responder(body["messages"], index)
+        n = int(body.get("n") or 1)
+        choices = [self._choice(body, index * n + i, i) for i in range(n)]
+        prompt_ids = encode_chat(body["messages"])
+        completion_tokens = sum(len(c["token_ids"] or []) for c in choices)
+        return {
+            "id": f"chatcmpl-{index}",
+            "object": "chat.completion",
+            "created": 0,
+            "model": body.get("model"),
+            "choices": choices,
+            "usage": {
+                "prompt_tokens": len(prompt_ids),
+                "completion_tokens": completion_tokens,
+                "total_tokens": len(prompt_ids) + completion_tokens,
+            },
+            "prompt_token_ids": prompt_ids if body.get("return_token_ids") else None,
+        }
+
+    def _choice(self, body: dict[str, Any], sample_index: int, choice_index: int) -> dict[str, Any]:
+        text = self.responder(body["messages"], sample_index)
         ids = [*text.encode(), IM_END]
         max_tokens = int(body.get("max_tokens") or len(ids))
         finish = "length" if len(ids) > max_tokens else "stop"
@@ -125,31 +144,13 @@ class FakeInferenceServer:
             {"token": f"token_id:{t}", "logprob": LOGPROB, "bytes": [t] if t < 256 else [], "top_logprobs": []}
             for t in ids
         ]
-        prompt_ids = encode_chat(body["messages"])
         return {
-            "id": f"chatcmpl-{index}",
-            "object": "chat.completion",
-            "created": 0,
-            "model": body.get("model"),
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {
-                        "role": "assistant",
-                        "content": bytes(t for t in ids if t < 256).decode(errors="replace"),
-                    },
-                    "logprobs": {"content": content} if body.get("logprobs") else None,
-                    "finish_reason": finish,
-                    "stop_reason": None,
-                    "token_ids": ids if body.get("return_token_ids") else None,
-                }
-            ],
-            "usage": {
-                "prompt_tokens": len(prompt_ids),
-                "completion_tokens": len(ids),
-                "total_tokens": len(prompt_ids) + len(ids),
-            },
-            "prompt_token_ids": prompt_ids if body.get("return_token_ids") else None,
+            "index": choice_index,
+            "message": {"role": "assistant", "content": bytes(t for t in ids if t < 256).decode(errors="replace")},
+            "logprobs": {"content": content} if body.get("logprobs") else None,
+            "finish_reason": finish,
+            "stop_reason": None,
+            "token_ids": ids if body.get("return_token_ids") else None,
         }
 
 

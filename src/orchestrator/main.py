@@ -36,6 +36,7 @@ from orchestrator.batch import ScoredRollout, pack_batches
 from orchestrator.client import InferenceClient, InferenceError
 from orchestrator.data import ExampleOrder
 from orchestrator.envs import Environment, Rollout, load_env
+from orchestrator.envs.base import rollout_group
 from orchestrator.sender import BatchSender
 
 CONSOLE_KEYS = ("reward/mean", "policy/version", "staleness/max", "seq/completion_len_mean", "time/step")
@@ -92,14 +93,17 @@ async def generate(
     envs: list[Environment], picks: list[tuple[int, int]], client: InferenceClient, cfg: OrchestratorConfig
 ) -> list[Rollout]:
     """All rollouts of the step, group by group: [len(picks) * rollouts_per_example]."""
-    # A TaskGroup cancels the other rollouts as soon as one fails.
+    n = cfg.rollouts_per_example
+    # A TaskGroup cancels the other groups as soon as one fails.
     async with asyncio.TaskGroup() as group:
         tasks = [
-            group.create_task(envs[env].rollout(client, envs[env].dataset[index], cfg.sampling))
+            group.create_task(rollout_group(envs[env], client, envs[env].dataset[index], cfg.sampling, n))
             for env, index in picks
-            for _ in range(cfg.rollouts_per_example)
         ]
-    return [task.result() for task in tasks]
+    rollouts = [rollout for task in tasks for rollout in task.result()]
+    if len(rollouts) != len(picks) * n:
+        raise InferenceError(f"expected {len(picks) * n} rollouts, got {len(rollouts)}")
+    return rollouts
 
 
 def check_async_bound(items: list[ScoredRollout], step: int, async_level: int) -> None:
@@ -112,7 +116,13 @@ def check_async_bound(items: list[ScoredRollout], step: int, async_level: int) -
 
 
 def step_metrics(
-    step: int, items: list[ScoredRollout], sync: PolicySync, cfg: OrchestratorConfig, generate_s: float, step_s: float
+    step: int,
+    items: list[ScoredRollout],
+    sync: PolicySync,
+    cfg: OrchestratorConfig,
+    generate_s: float,
+    step_s: float,
+    client_retries: int,
 ) -> dict[str, float | int]:
     rewards = np.array([item.rollout.reward for item in items])
     staleness = np.array([step - item.policy_version for item in items])
@@ -136,6 +146,7 @@ def step_metrics(
         "time/wait_weights": sync.wait_s,
         "time/reload": sync.reload_s,
         "time/step": step_s,
+        "inference/retries": client_retries,
     }
     if sync.reloaded_step is not None:
         row["weights/reloaded_step"] = sync.reloaded_step
@@ -167,7 +178,9 @@ async def run(cfg: OrchestratorConfig, envs: list[Environment]) -> None:
             rollouts = await generate(envs, picks, client, cfg)
             generate_s = time.perf_counter() - generate_start
             # (d) advantages within each example's group
-            advantages = group_advantages([r.reward for r in rollouts], cfg.rollouts_per_example)
+            advantages = group_advantages(
+                [r.reward for r in rollouts], cfg.rollouts_per_example, normalize_std=cfg.advantage.normalize_std
+            )
             items = [ScoredRollout(r, float(a), version) for r, a in zip(rollouts, advantages, strict=True)]
             check_async_bound(items, step, cfg.async_level)
             # (e) one batch per trainer rank
@@ -181,7 +194,8 @@ async def run(cfg: OrchestratorConfig, envs: list[Environment]) -> None:
             ):
                 sender.send(batch)
             # (f) metrics
-            metrics.log(step, step_metrics(step, items, sync, cfg, generate_s, time.perf_counter() - step_start))
+            step_s = time.perf_counter() - step_start
+            metrics.log(step, step_metrics(step, items, sync, cfg, generate_s, step_s, client.retries))
         delivered = True
     finally:
         # After the last step, linger so queued batches still reach the trainer; on an error, drop them.

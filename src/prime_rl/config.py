@@ -229,8 +229,19 @@ class ClientConfig(StrictModel):
     max_concurrency: int = Field(64, ge=1)
     """Most requests in flight at once."""
 
+    max_retries: int = Field(3, ge=0)
+    """Retries of a request that failed at the connection level (dropped or refused connection)."""
+
+    retry_backoff_s: float = Field(0.5, ge=0)
+    """First retry delay; doubles with each retry."""
+
     startup_timeout_s: float = Field(900.0, gt=0)
     """Longest wait for the inference server to become healthy (vLLM takes 30-75 s on CPU, minutes for large models)."""
+
+
+class AdvantageConfig(StrictModel):
+    normalize_std: bool = False
+    """Divide each group's centred rewards by the group's reward std (GRPO); off = Dr. GRPO style."""
 
 
 class OrchestratorConfig(StrictModel):
@@ -245,6 +256,9 @@ class OrchestratorConfig(StrictModel):
 
     client: ClientConfig = ClientConfig()
     """Inference client."""
+
+    advantage: AdvantageConfig = AdvantageConfig()
+    """How rewards become advantages within each group."""
 
     transport: TransportConfig = TransportConfig()
     """Where micro-batches go."""

@@ -10,6 +10,7 @@ Environments know nothing about advantages, batches, ranks or the trainer.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -76,6 +77,16 @@ class Environment(Protocol):
     async def rollout(self, client: InferenceClient, example: Example, sampling: SamplingConfig) -> Rollout: ...
 
 
+async def rollout_group(
+    env: Environment, client: InferenceClient, example: Example, sampling: SamplingConfig, n: int
+) -> list[Rollout]:
+    """``n`` rollouts of one example: the environment's own ``rollout_group`` when it has one
+    (a single-turn env samples all ``n`` in one request), else ``n`` concurrent ``rollout`` calls."""
+    if hasattr(env, "rollout_group"):
+        return await env.rollout_group(client, example, sampling, n)
+    return list(await asyncio.gather(*(env.rollout(client, example, sampling) for _ in range(n))))
+
+
 class SingleTurnEnv:
     """One chat call, then ``score(example, completion_text)``. Subclasses set
     ``self.dataset`` and override ``score``."""
@@ -86,9 +97,19 @@ class SingleTurnEnv:
         raise NotImplementedError
 
     async def rollout(self, client: InferenceClient, example: Example, sampling: SamplingConfig) -> Rollout:
-        result: ChatResult = await client.chat(
-            example.prompt, max_tokens=sampling.max_tokens, temperature=sampling.temperature
+        return (await self.rollout_group(client, example, sampling, 1))[0]
+
+    async def rollout_group(
+        self, client: InferenceClient, example: Example, sampling: SamplingConfig, n: int
+    ) -> list[Rollout]:
+        # One request with n choices: the prompt is prefilled once and the HTTP overhead,
+        # which dominates on CPU for short answers, is paid once per group.
+        results = await client.chat_n(
+            example.prompt, n=n, max_tokens=sampling.max_tokens, temperature=sampling.temperature
         )
+        return [self._scored(example, result) for result in results]
+
+    def _scored(self, example: Example, result: ChatResult) -> Rollout:
         turn = Turn(result.prompt_ids, result.completion_ids, result.completion_logprobs)
         return Rollout(
             example_id=example.id,
