@@ -9,8 +9,11 @@ out as one line per problem naming the key and its section.
 from __future__ import annotations
 
 import json
+import sys
 import tomllib
+import traceback
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any, TypeVar, get_args, get_origin
 
 from pydantic import BaseModel, ValidationError
@@ -161,3 +164,27 @@ def process_config(cls: type[M], argv: list[str]) -> M:
         files.append(Path(flags[i + 1]))
         flags = flags[:i] + flags[i + 2 :]
     return load_config(cls, files, flags)
+
+
+def run_process(name: str, cls: type[M], body: Callable[[M], None], argv: list[str] | None = None) -> int:
+    """Entry point of a process: parse its config, run ``body``, map the outcome to an exit code.
+
+    2 for a config error, 130 for Ctrl-C, 1 with the traceback and a one-line reason for any
+    other failure, 0 on success.
+    """
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        cfg = process_config(cls, argv)
+    except ConfigError as e:
+        print(f"[{name}] config error:\n{e}", file=sys.stderr, flush=True)
+        return 2
+    try:
+        body(cfg)
+    except KeyboardInterrupt:
+        print(f"[{name}] interrupted", file=sys.stderr, flush=True)
+        return 130
+    except Exception as e:  # noqa: BLE001 - the process ends here; say why in one line
+        traceback.print_exc()
+        print(f"[{name}] failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        return 1
+    return 0

@@ -11,9 +11,7 @@ directory layout, never the orchestrator or the inference server.
 
 from __future__ import annotations
 
-import sys
 import time
-import traceback
 
 import torch
 import torch.distributed as dist
@@ -21,7 +19,7 @@ from torch import nn
 
 from prime_rl.config import LossConfig, TrainerConfig
 from prime_rl.metrics import Metrics, make_metrics
-from prime_rl.settings import ConfigError, process_config
+from prime_rl.settings import run_process
 from prime_rl.wire import TrainBatch
 from trainer.data import BatchReceiver, MicroTensors, collate
 from trainer.loss import entropy_from_logits, policy_loss, token_logprobs
@@ -175,22 +173,7 @@ def step_metrics(s: dict[str, float], timings: dict[str, float], step: int) -> d
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    try:
-        cfg = process_config(TrainerConfig, argv)
-    except ConfigError as e:
-        print(f"[trainer] config error:\n{e}", file=sys.stderr, flush=True)
-        return 2
-    try:
-        train(cfg)
-    except KeyboardInterrupt:
-        print("[trainer] interrupted", file=sys.stderr, flush=True)
-        return 130
-    except Exception as e:  # noqa: BLE001 - the process ends here; say why in one line
-        traceback.print_exc()
-        print(f"[trainer] failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-        return 1
-    return 0
+    return run_process("trainer", TrainerConfig, train, argv)
 
 
 if __name__ == "__main__":

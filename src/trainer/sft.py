@@ -13,9 +13,7 @@ import itertools
 import json
 import os
 import random
-import sys
 import time
-import traceback
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,7 +24,7 @@ from torch import nn
 from prime_rl.config import SFTConfig
 from prime_rl.metrics import ConsoleSink, make_metrics
 from prime_rl.rundir import MARKER
-from prime_rl.settings import ConfigError, process_config
+from prime_rl.settings import run_process
 from trainer.data import right_pad
 from trainer.loss import token_logprobs
 from trainer.model import forward_logits, load_model, setup_world
@@ -207,22 +205,7 @@ def save_model(model: nn.Module, tokenizer, source_model: str, output_dir: Path)
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    try:
-        cfg = process_config(SFTConfig, argv)
-    except ConfigError as e:
-        print(f"[sft] config error:\n{e}", file=sys.stderr, flush=True)
-        return 2
-    try:
-        train_sft(cfg)
-    except KeyboardInterrupt:
-        print("[sft] interrupted", file=sys.stderr, flush=True)
-        return 130
-    except Exception as e:  # noqa: BLE001 - the process ends here; say why in one line
-        traceback.print_exc()
-        print(f"[sft] failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-        return 1
-    return 0
+    return run_process("sft", SFTConfig, train_sft, argv)
 
 
 if __name__ == "__main__":
