@@ -25,7 +25,7 @@ def summarize(run_dir: Path, window: int = 5) -> dict[str, float]:
         "steps": len(rewards),
         "reward_first": mean(rewards[:window]),
         "reward_last": mean(rewards[-window:]),
-        "mismatch_kl_step1": trainer[0]["loss/mismatch_kl"],
+        "mismatch_kl_first": trainer[0]["loss/mismatch_kl"],
         "seconds": max(r["time"] for r in rows),
     }
 
@@ -40,7 +40,7 @@ def main() -> None:
     print(f"steps: {s['steps']}   RL wall time: {s['seconds']:.0f} s")
     print(f"mean reward, first {w} steps: {s['reward_first']:.3f}")
     print(f"mean reward, last {w} steps:  {s['reward_last']:.3f}   (change {s['reward_last'] - s['reward_first']:+.3f})")
-    print(f"mismatch KL trainer vs vLLM at step 1: {s['mismatch_kl_step1']:.2e}")
+    print(f"mismatch KL trainer vs vLLM at the first step (step 0): {s['mismatch_kl_step1']:.2e}")
 
 
 if __name__ == "__main__":
