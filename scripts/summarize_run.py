@@ -40,7 +40,7 @@ def main() -> None:
     print(f"steps: {s['steps']}   RL wall time: {s['seconds']:.0f} s")
     print(f"mean reward, first {w} steps: {s['reward_first']:.3f}")
     print(f"mean reward, last {w} steps:  {s['reward_last']:.3f}   (change {s['reward_last'] - s['reward_first']:+.3f})")
-    print(f"mismatch KL trainer vs vLLM at the first step (step 0): {s['mismatch_kl_step1']:.2e}")
+    print(f"mismatch KL trainer vs vLLM at the first step (step 0): {s['mismatch_kl_first']:.2e}")
 
 
 if __name__ == "__main__":
