@@ -241,3 +241,54 @@ def _free_port_pair() -> int:
         except OSError:
             continue
     raise RuntimeError("no two consecutive free ports")
+
+
+def test_nonfinite_steps_are_skipped_then_stop_the_run(tiny_model, tmp_path):
+    """An absurd learning rate blows the weights up after step 0, so every later loss is
+    non-finite: those updates are skipped (weights keep their last finite values) and the
+    second one in a row stops the trainer with a clear message."""
+    run = tmp_path / "run"
+    port = free_port()
+    config = {
+        "model": {"name": str(tiny_model)},
+        "output_dir": str(run),
+        "max_steps": 5,
+        "seq_len": 64,
+        "max_nonfinite_steps": 2,
+        "transport": {"port": port, "timeout_s": 60},
+        "optim": {"lr": 1e30},
+    }
+    (tmp_path / "trainer.json").write_text(json.dumps(config))
+    samples = make_samples(tiny_model, policy_version=0)
+    ctx = zmq.Context()
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.SNDTIMEO, 90_000)
+    push.setsockopt(zmq.LINGER, 0)
+    push.bind(f"tcp://127.0.0.1:{port}")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "trainer.rl", "--config", str(tmp_path / "trainer.json")],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    try:
+        for step in range(5):
+            try:
+                push.send(batch_frame(step, samples))
+            except zmq.Again:
+                break
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        push.close()
+        ctx.term()
+    assert proc.returncode == 1, out
+    assert "2 consecutive steps with a non-finite loss or gradient (trainer.max_nonfinite_steps = 2)" in out
+    assert "update skipped, 1 in a row" in out
+    rows = [r for r in read_jsonl(run / "metrics.jsonl") if r["process"] == "trainer"]
+    assert rows[-1]["optim/nonfinite_streak"] == 1 and rows[0]["optim/nonfinite_streak"] == 0
+    from safetensors.torch import load_file
+
+    last = max(complete_steps(weights_dir(run)))
+    weights = load_file(str(weights_dir(run) / f"step_{last}" / "model.safetensors"))
+    assert all(torch.isfinite(t).all() for t in weights.values()), "published weights must stay finite"

@@ -209,6 +209,9 @@ class TrainerConfig(StrictModel):
     num_threads: int = Field(1, ge=1)
     """torch intra-op threads (one per process is fastest when processes share cores)."""
 
+    max_nonfinite_steps: int = Field(3, ge=1)
+    """A step with a non-finite loss or gradient is skipped; this many in a row stop the run."""
+
     wandb: WandbConfig | None = None
     """W&B logging; off when absent."""
 

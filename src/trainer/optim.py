@@ -46,8 +46,6 @@ def clip_and_step(
     grad_norm = float(norm)
     if math.isfinite(grad_norm):
         optimizer.step()
-    else:
-        print(f"[trainer] non-finite grad norm {grad_norm}; skipping this update", flush=True)
     optimizer.zero_grad(set_to_none=True)
     scheduler.step()
     return grad_norm, lr

@@ -11,6 +11,7 @@ directory layout, never the orchestrator or the inference server.
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -55,6 +56,7 @@ def train(cfg: TrainerConfig) -> None:
     )
     receiver = BatchReceiver(cfg.transport, world.rank)
     log(f"rank {world.rank}/{world.world_size} on {world.device}: {cfg.model.name}; batches from {receiver.address}")
+    nonfinite = 0  # consecutive steps skipped for a non-finite loss or gradient
     try:
         for step in range(cfg.max_steps):
             t_start = time.perf_counter()
@@ -63,6 +65,7 @@ def train(cfg: TrainerConfig) -> None:
             t_batch = time.perf_counter()
             # 2. one optimizer step over all micro-batches
             stats = train_step(model, optimizer, scheduler, batch, cfg, world)
+            nonfinite = count_nonfinite(stats, nonfinite, cfg.max_nonfinite_steps, step)
             t_train = time.perf_counter()
             # 3. publish policy version `step + 1` (collective gather, rank 0 writes)
             save_weights(model, cfg.output_dir, step + 1, cfg.weights.keep_last, cfg.model.name)
@@ -74,13 +77,30 @@ def train(cfg: TrainerConfig) -> None:
                 "train": t_train - t_batch,
                 "save_weights": t_save - t_train,
             }
-            metrics.log(step, step_metrics(stats, timings, step))
+            metrics.log(step, {**step_metrics(stats, timings, step), "optim/nonfinite_streak": nonfinite})
         if world.is_main:
             log(f"done: {cfg.max_steps} steps, weights in {cfg.output_dir / 'weights'}")
     finally:
         receiver.close()
         metrics.close()
         teardown_world(world)
+
+
+def count_nonfinite(stats: dict[str, float], streak: int, limit: int, step: int) -> int:
+    """The new streak of consecutive non-finite steps; raises once it reaches ``limit``.
+
+    ``clip_and_step`` already skipped the update of such a step, so the weights are intact.
+    """
+    if math.isfinite(stats["loss_sum"]) and math.isfinite(stats["grad_norm"]):
+        return 0
+    streak += 1
+    log(f"step {step}: non-finite loss ({stats['loss_sum']}) or grad norm ({stats['grad_norm']}); update skipped, {streak} in a row")
+    if streak >= limit:
+        raise FloatingPointError(
+            f"{streak} consecutive steps with a non-finite loss or gradient "
+            f"(trainer.max_nonfinite_steps = {limit}); the last good weights are kept"
+        )
+    return streak
 
 
 def train_step(

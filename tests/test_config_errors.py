@@ -1,0 +1,69 @@
+"""Table of malformed configs: each must stop `prime-rl` before any process starts, with
+exit code 2 and one line naming the offending key (and nothing written to the run dir)."""
+
+import pytest
+
+from prime_rl.cli import main
+
+BASE = 'output_dir = "{run}"\n'
+
+# (config text appended to BASE, extra CLI flags, text the one-line error must contain)
+CASES = [
+    # unknown keys, in every section and at the top level
+    ("lr = 1\n", [], "unknown key `lr` in [top level]"),
+    ("[trainer]\nlrr = 1\n", [], "unknown key `lrr` in [trainer]"),
+    ("[trainer.optim]\nlearning_rate = 1e-4\n", [], "unknown key `learning_rate` in [trainer.optim]"),
+    ("[trainer.loss]\nclip = 0.2\n", [], "unknown key `clip` in [trainer.loss]"),
+    ("[orchestrator]\nbatchsize = 8\n", [], "unknown key `batchsize` in [orchestrator]"),
+    ("[orchestrator.sampling]\ntop_q = 1\n", [], "unknown key `top_q` in [orchestrator.sampling]"),
+    ("[inference]\ngpus = 2\n", [], "unknown key `gpus` in [inference]"),
+    ("[sampling]\nmax_token = 5\n", [], "unknown key `max_token` in [sampling]"),
+    ("[[env]]\nid = 'reverse-text'\narg = {}\n", [], "unknown key `arg` in [env.0]"),
+    ("[wandb]\nprojekt = 'x'\n", [], "unknown key `projekt` in [wandb]"),
+    ("", ["--trainer.optim.lrr", "1"], "unknown key `lrr` in [trainer.optim]"),
+    # wrong types
+    ("max_steps = 'ten'\n", [], "max_steps: Input should be a valid integer"),
+    ("seq_len = 1.5\n", [], "seq_len: Input should be a valid integer"),
+    ("[trainer.optim]\nlr = 'fast'\n", [], "trainer.optim.lr: Input should be a valid number"),
+    ("[inference]\nenforce_eager = 'maybe'\n", [], "inference.enforce_eager: Input should be a valid boolean"),
+    ("env = 'reverse-text'\n", [], "env: Input should be a valid list"),
+    ("[trainer]\nmodel = 'x'\n", [], "trainer.model: Input should be a valid dictionary"),
+    ("", ["--max-steps", "many"], "max_steps: Input should be a valid integer"),
+    # out-of-range values
+    ("[trainer.optim]\nlr = -1e-4\n", [], "trainer.optim.lr: Input should be greater than 0"),
+    ("max_steps = 0\n", [], "max_steps: Input should be greater than or equal to 1"),
+    ("async_level = -1\n", [], "async_level: Input should be greater than or equal to 0"),
+    ("batch_size = 10\nrollouts_per_example = 4\n", [], "batch_size (10) must be divisible by rollouts_per_example (4)"),
+    ("[sampling]\ntemperature = 0\n", [], "sampling.temperature: Input should be greater than 0"),
+    ("[inference]\nport = 80\n", [], "inference.port: Input should be greater than or equal to 1024"),
+    ("[trainer.loss]\nmask_ratio_low = 2.0\nmask_ratio_high = 1.5\n", [], "mask_ratio_low must be below mask_ratio_high"),
+    ("[orchestrator]\nnum_trainer_ranks = 3\n", [], "must split evenly over num_trainer_ranks (3)"),
+    ("[trainer.optim]\nmax_grad_norm = 0\n", [], "trainer.optim.max_grad_norm: Input should be greater than 0"),
+    # a model path that does not exist
+    ('model = "{run}/no/such/model"\n', [], "trainer.model.name: model path"),
+    # unknown environment id
+    ('[[env]]\nid = "primeintellect/alphabet-sort"\n', [], "unknown environment id 'primeintellect/alphabet-sort'"),
+    # conflicting values between a shared field and a section
+    ("max_steps = 3\n[trainer]\nmax_steps = 4\n", [], "conflicting values: `max_steps` = 3 but `trainer.max_steps` = 4"),
+    ("seq_len = 128\n[inference]\nseq_len = 256\n", [], "conflicting values: `seq_len` = 128 but `inference.seq_len` = 256"),
+    # not TOML at all
+    ("max_steps = = 3\n", [], "not valid TOML"),
+]
+
+
+@pytest.mark.parametrize("text, flags, expected", CASES, ids=[f"case{i}" for i in range(len(CASES))])
+def test_malformed_config_stops_before_any_process(tmp_path, capsys, text, flags, expected):
+    run = tmp_path / "run"
+    config = tmp_path / "bad.toml"
+    config.write_text((BASE + text).replace("{run}", str(run)))
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(config), "--no-tmux", *flags])
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2
+    assert expected in err, err
+    assert len(err.splitlines()) == 1, err
+    assert not run.exists(), "a rejected config must not create or touch the run directory"
+
+
+def test_there_are_at_least_thirty_cases():
+    assert len(CASES) >= 30
