@@ -78,3 +78,12 @@ def test_inconsistent_lengths_are_rejected():
 def test_make_sample_checks_lengths():
     with pytest.raises(WireError):
         make_sample([1, 2], [1], [0.0, 0.0], advantage=0, reward=0, policy_version=0, example_id=0)
+
+
+@pytest.mark.parametrize("field", ["advantage", "logprob"])
+def test_non_finite_values_are_rejected(field):
+    logprobs = [0.0, float("nan")] if field == "logprob" else [0.0, -1.0]
+    advantage = float("inf") if field == "advantage" else 0.0
+    sample = make_sample([1, 2], [0, 1], logprobs, advantage=advantage, reward=0, policy_version=0, example_id=0)
+    with pytest.raises(WireError, match="must be finite"):
+        decode_batch(encode_batch(batch(samples=[sample])))

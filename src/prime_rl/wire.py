@@ -141,3 +141,5 @@ def _validate_sample(sample: Sample, where: str) -> None:
         raise WireError(f"{where}: a sample needs at least 2 tokens, got {n}")
     if not (math.isfinite(sample.advantage) and math.isfinite(sample.reward)):
         raise WireError(f"{where}: advantage and reward must be finite")
+    if not np.isfinite(np.frombuffer(sample.inference_logprobs, dtype="<f4")).all():
+        raise WireError(f"{where}: inference logprobs must be finite")
