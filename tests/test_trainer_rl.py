@@ -56,6 +56,37 @@ def batch_frame(step: int, samples: list, schema_version: int = SCHEMA_VERSION) 
     return encode_batch(TrainBatch(schema_version, step, rank=0, temperature=TEMPERATURE, micro_batches=micro))
 
 
+def run_trainer_process(tmp_path: Path, config: dict, frames) -> tuple[int, str]:
+    """Run `python -m trainer.rl` against a PUSH socket bound here (the test plays the
+    orchestrator), send ``frames`` in order, and return (exit code, output)."""
+    config_path = tmp_path / "trainer.json"
+    config_path.write_text(json.dumps(config))
+    ctx = zmq.Context()
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.SNDTIMEO, 90_000)  # a bound PUSH blocks until the trainer connects
+    push.setsockopt(zmq.LINGER, 0)
+    push.bind(f"tcp://127.0.0.1:{config['transport']['port']}")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "trainer.rl", "--config", str(config_path)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    try:
+        for frame in frames:
+            try:
+                push.send(frame)
+            except zmq.Again:  # the trainer stopped taking batches (it failed or finished)
+                break
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        push.close()
+        ctx.term()
+    assert not Path(f"/proc/{proc.pid}").exists()
+    return proc.returncode, out
+
+
 def test_rl_trainer_process_trains_and_publishes_weights(tiny_model, tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -69,37 +100,19 @@ def test_rl_trainer_process_trains_and_publishes_weights(tiny_model, tmp_path):
         "transport": {"port": port, "timeout_s": 60},
         "optim": {"lr": 1e-3},
     }
-    (tmp_path / "trainer.json").write_text(json.dumps(config))
     samples = make_samples(tiny_model, policy_version=0)
-
-    ctx = zmq.Context()
-    push = ctx.socket(zmq.PUSH)
-    push.setsockopt(zmq.SNDTIMEO, 90_000)  # a bound PUSH blocks until the trainer connects
-    push.setsockopt(zmq.LINGER, 0)
-    push.bind(f"tcp://127.0.0.1:{port}")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     t0 = time.monotonic()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "trainer.rl", "--config", str(tmp_path / "trainer.json")],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-    )
-    try:
-        push.send(b"\xc1 garbage: 0xc1 is never valid msgpack")
-        push.send(batch_frame(0, samples, schema_version=SCHEMA_VERSION + 1))
-        push.send(batch_frame(0, samples))
-        push.send(batch_frame(1, samples))
-        out, _ = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        push.close()
-        ctx.term()
+    frames = [
+        b"\xc1 garbage: 0xc1 is never valid msgpack",
+        batch_frame(0, samples, schema_version=SCHEMA_VERSION + 1),
+        batch_frame(0, samples),
+        batch_frame(1, samples),
+    ]
+    returncode, out = run_trainer_process(tmp_path, config, frames)
     print(out)
     print(f"trainer process took {time.monotonic() - t0:.1f}s")
 
-    assert proc.returncode == 0, out
-    assert not Path(f"/proc/{proc.pid}").exists()
+    assert returncode == 0, out
     rejected = [line for line in out.splitlines() if "rejected a message" in line]
     assert len(rejected) == 2, out
     assert "not a msgpack train batch" in rejected[0] and "wrong schema version" in rejected[1]
@@ -258,31 +271,9 @@ def test_nonfinite_steps_are_skipped_then_stop_the_run(tiny_model, tmp_path):
         "transport": {"port": port, "timeout_s": 60},
         "optim": {"lr": 1e30},
     }
-    (tmp_path / "trainer.json").write_text(json.dumps(config))
     samples = make_samples(tiny_model, policy_version=0)
-    ctx = zmq.Context()
-    push = ctx.socket(zmq.PUSH)
-    push.setsockopt(zmq.SNDTIMEO, 90_000)
-    push.setsockopt(zmq.LINGER, 0)
-    push.bind(f"tcp://127.0.0.1:{port}")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "trainer.rl", "--config", str(tmp_path / "trainer.json")],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    try:
-        for step in range(5):
-            try:
-                push.send(batch_frame(step, samples))
-            except zmq.Again:
-                break
-        out, _ = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        push.close()
-        ctx.term()
-    assert proc.returncode == 1, out
+    returncode, out = run_trainer_process(tmp_path, config, [batch_frame(step, samples) for step in range(5)])
+    assert returncode == 1, out
     assert "2 consecutive steps with a non-finite loss or gradient (trainer.max_nonfinite_steps = 2)" in out
     assert "update skipped, 1 in a row" in out
     rows = [r for r in read_jsonl(run / "metrics.jsonl") if r["process"] == "trainer"]
