@@ -76,26 +76,6 @@ def test_parse_flags_shapes():
     }
 
 
-@pytest.mark.parametrize(
-    "text, flags, expected",
-    [
-        ("[trainer]\nlrr = 1\n", [], "unknown key `lrr` in [trainer]"),
-        ("", ["--trainer.optim.lrr", "1"], "unknown key `lrr` in [trainer.optim]"),
-        ("max_steps = 'ten'\n", [], "max_steps"),
-        ("[trainer.optim]\nlr = -1\n", [], "trainer.optim.lr"),
-        ("batch_size = 10\nrollouts_per_example = 4\n", [], "must be divisible by rollouts_per_example"),
-        ("async_level = -1\n", [], "async_level"),
-        ("max_steps = 3\n[trainer]\nmax_steps = 4\n", [], "conflicting values: `max_steps`"),
-        ("[orchestrator.sampling]\ntemperature = 0\n", [], "orchestrator.sampling.temperature"),
-    ],
-)
-def test_bad_configs_fail_with_one_line_naming_the_key(tmp_path, text, flags, expected):
-    with pytest.raises(ConfigError) as e:
-        load_config(RLConfig, [write(tmp_path, text)], flags)
-    assert expected in str(e.value)
-    assert len(str(e.value).splitlines()) == 1, str(e.value)
-
-
 def test_typo_exits_nonzero_before_any_process_starts(tmp_path):
     run_dir = tmp_path / "run"
     path = write(tmp_path, f'output_dir = "{run_dir}"\n[trainer]\nlrr = 1\n')
