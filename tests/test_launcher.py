@@ -41,7 +41,7 @@ def test_failure_stops_the_others_and_names_the_failed_process(tmp_path):
     env = {**os.environ, "PRIME_RL_TEST_TAG": tag}
     proc = subprocess.run([sys.executable, "-c", driver(tmp_path, specs)], capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 1
-    assert "trainer failed (exit code 3)" in proc.stderr
+    assert "trainer failed: it exited with code 3" in proc.stderr
     assert "loss exploded" in proc.stderr, "the end of the failed process's log is shown"
     assert (tmp_path / "logs" / "inference.log").read_text().startswith("serving")
     assert tagged_processes(tag) == []

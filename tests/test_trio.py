@@ -1,9 +1,12 @@
 """The real trio (vLLM server, orchestrator, trainer) on the tiny model, headless and in tmux."""
 
 import os
+import signal
 import subprocess
 import sys
 import time
+
+import pytest
 
 from helpers import REPO, new_tag, tagged_processes, trio_toml
 from prime_rl.launcher import tail
@@ -89,3 +92,40 @@ def test_tmux_mode_shows_one_pane_per_process(tmp_path, tiny_model):
     assert f"tmux attach -t {session_name}" in out
     assert not server.has_session(session_name), "the tmux session must be gone after the run"
     assert tagged_processes(tag) == []
+
+
+@pytest.mark.parametrize(
+    "victim, marker",
+    [("trainer", "-m trainer.rl"), ("orchestrator", "-m orchestrator.main"), ("inference", "vllm.entrypoints.openai.api_server")],
+)
+def test_a_killed_process_stops_the_run(tmp_path, tiny_model, victim, marker):
+    """SIGKILL one process of the real trio mid-run: the launcher stops the other two,
+    exits 1 naming the dead process with its log tail, and leaves nothing running."""
+    run_dir = tmp_path / "run"
+    config = tmp_path / "run.toml"
+    config.write_text(trio_toml(tiny_model, run_dir, max_steps=200, async_level=ASYNC_LEVEL))
+    tag = new_tag()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "prime_rl.cli", str(config), "--no-tmux"],
+        env={**os.environ, "PRIME_RL_TEST_TAG": tag}, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        # Mid-run: once the trainer has finished a step.
+        deadline = time.monotonic() + 600
+        while not any(r["process"] == "trainer" for r in read_jsonl(metrics_path(run_dir))):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() is not None else "timeout"
+            time.sleep(0.2)
+        (pid,) = [pid for pid, cmd in tagged_processes(tag) if marker in cmd and "torch.distributed" not in cmd]
+        os.kill(pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        out, _ = proc.communicate(timeout=120)
+        stopped_s = time.monotonic() - killed_at
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 1, out
+    assert f"{victim} failed: it was killed by SIGKILL" in out, out
+    assert f"last lines of {log_path(run_dir, victim)}" in out
+    assert stopped_s < 30, f"the launcher took {stopped_s:.1f} s to stop the others"
+    assert tagged_processes(tag) == [], "no process may survive a failed run"

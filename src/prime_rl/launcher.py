@@ -42,7 +42,17 @@ class ProcessSpec:
 class ProcessFailed(RuntimeError):
     def __init__(self, name: str, code: int, log: Path):
         self.name, self.code, self.log = name, code, log
-        super().__init__(f"{name} exited with code {code}")
+        super().__init__(f"{name} {describe_exit(code)}")
+
+
+def describe_exit(code: int) -> str:
+    """`exited with code 1`, or `was killed by SIGKILL` for a negative Popen return code."""
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
 
 
 def _die_with_parent() -> None:
@@ -192,7 +202,7 @@ def run(run_dir: Path, specs: list[ProcessSpec], use_tmux: bool, session_name: s
         print("[prime-rl] run finished", flush=True)
         return 0
     except ProcessFailed as e:
-        print(f"[prime-rl] {e.name} failed (exit code {e.code}); stopping the other processes", file=sys.stderr)
+        print(f"[prime-rl] {e.name} failed: it {describe_exit(e.code)}; stopping the other processes", file=sys.stderr)
         print(f"[prime-rl] last lines of {e.log}:\n{tail(e.log)}", file=sys.stderr, flush=True)
         return 1
     except KeyboardInterrupt:
