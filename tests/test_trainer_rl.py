@@ -229,7 +229,7 @@ def run_trainer(model_dir: Path, run: Path, world: int, splits: list, samples: l
     proc = subprocess.Popen([sys.executable, *launcher, "-m", "trainer.rl", "--config", str(run / "trainer.json")],
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
-        for step in (1, 2):
+        for step in (0, 1):  # steps count from 0; weights/step_2 = after two steps
             for r, sock in enumerate(socks):
                 micro = [MicroBatch([samples[i] for i in mb]) for mb in splits[r]]
                 sock.send(encode_batch(TrainBatch(SCHEMA_VERSION, step, r, TEMPERATURE, micro)))
