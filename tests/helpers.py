@@ -16,6 +16,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_port_pair() -> int:
+    """A free port whose successor is free too (trainer rank r uses base port + r)."""
+    for _ in range(50):
+        port = free_port()
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", port + 1))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError("no two consecutive free ports")
+
+
 def new_tag() -> str:
     """A value for PRIME_RL_TEST_TAG; every descendant of the launcher inherits it."""
     return uuid.uuid4().hex

@@ -1,7 +1,6 @@
 """InferenceClient against the fake vLLM server: parsing, request fields, admin recipe."""
 
 import asyncio
-import socket
 import threading
 import time
 
@@ -10,6 +9,8 @@ from prime_rl.config import ClientConfig
 
 from orchestrator.client import InferenceClient, InferenceError, parse_chat_response
 from orchestrator.fake_inference import IM_END, LOGPROB, FakeInferenceServer, encode_chat
+
+from helpers import free_port
 
 MESSAGES = [
     {"role": "system", "content": "Reverse the text character by character."},
@@ -120,9 +121,7 @@ def test_wait_healthy():
 
 
 def test_wait_healthy_times_out_naming_the_url():
-    with socket.socket() as s:  # a port nobody listens on
-        s.bind(("127.0.0.1", 0))
-        url = f"http://127.0.0.1:{s.getsockname()[1]}"
+    url = f"http://127.0.0.1:{free_port()}"  # a port nobody listens on
 
     async def go():
         client = InferenceClient(ClientConfig(base_url=url, timeout_s=1), "tiny")
@@ -185,9 +184,7 @@ def test_chat_n_returns_every_choice_from_one_request():
 
 
 def test_refused_connection_is_retried_until_the_server_is_up():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     servers = []  # created late: binding the port is what makes connections succeed
 
     async def go():
@@ -209,9 +206,7 @@ def test_refused_connection_is_retried_until_the_server_is_up():
 
 
 def test_connection_errors_fail_clearly_after_the_retries():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
 
     async def go():
         client = InferenceClient(

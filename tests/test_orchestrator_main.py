@@ -4,7 +4,6 @@ as a subprocess against the fake vLLM server, with this test playing the trainer
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +16,8 @@ from prime_rl.wire import decode_batch, sample_arrays
 
 from orchestrator.fake_inference import FakeInferenceServer
 from orchestrator.main import main, sync_policy
+
+from helpers import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -84,12 +85,6 @@ def test_config_errors_exit_2(tmp_path, capsys):
     assert "must split evenly over num_trainer_ranks" in capsys.readouterr().err
     assert main(["--env", '[{"id": "reverse-text", "args": {"bogus": 1}}]']) == 2
     assert "bogus" in capsys.readouterr().err
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_two_steps_end_to_end(tmp_path):

@@ -1,6 +1,5 @@
 """BatchSender: per-rank PUSH sockets, send timeout, delivery after close (linger)."""
 
-import socket
 
 import pytest
 import zmq
@@ -9,22 +8,7 @@ from prime_rl.wire import SCHEMA_VERSION, MicroBatch, TrainBatch, decode_batch, 
 
 from orchestrator.sender import BatchSender
 
-
-def free_port_pair():
-    """A base port whose successor is free too (best effort; good enough for tests)."""
-    for _ in range(50):
-        with socket.socket() as a:
-            a.bind(("127.0.0.1", 0))
-            port = a.getsockname()[1]
-            if port >= 65535:
-                continue
-            with socket.socket() as b:
-                try:
-                    b.bind(("127.0.0.1", port + 1))
-                except OSError:
-                    continue
-        return port
-    raise RuntimeError("no free port pair")
+from helpers import free_port_pair
 
 
 def batch(rank, step=1):

@@ -6,7 +6,6 @@ in-process checks of the receiver, config errors and padding invariance.
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -15,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import zmq
-from helpers import free_port
+from helpers import free_port, free_port_pair
 
 from prime_rl.config import TransportConfig
 from prime_rl.rundir import MARKER, complete_steps, read_jsonl, weights_dir
@@ -56,6 +55,19 @@ def batch_frame(step: int, samples: list, schema_version: int = SCHEMA_VERSION) 
     return encode_batch(TrainBatch(schema_version, step, rank=0, temperature=TEMPERATURE, micro_batches=micro))
 
 
+def trainer_config(model_dir: Path, run: Path, port: int, *, lr: float = 1e-3, timeout_s: float = 60, **extra) -> dict:
+    """A small trainer config: 64-token samples, batches on 127.0.0.1:port (+ rank)."""
+    return {
+        "model": {"name": str(model_dir)},
+        "output_dir": str(run),
+        "max_steps": 2,
+        "seq_len": 64,
+        "transport": {"port": port, "timeout_s": timeout_s},
+        "optim": {"lr": lr},
+        **extra,
+    }
+
+
 def run_trainer_process(tmp_path: Path, config: dict, frames) -> tuple[int, str]:
     """Run `python -m trainer.rl` against a PUSH socket bound here (the test plays the
     orchestrator), send ``frames`` in order, and return (exit code, output)."""
@@ -91,15 +103,7 @@ def test_rl_trainer_process_trains_and_publishes_weights(tiny_model, tmp_path):
     from transformers import AutoModelForCausalLM
 
     run = tmp_path / "run"
-    port = free_port()
-    config = {
-        "model": {"name": str(tiny_model)},
-        "output_dir": str(run),
-        "max_steps": 2,
-        "seq_len": 64,
-        "transport": {"port": port, "timeout_s": 60},
-        "optim": {"lr": 1e-3},
-    }
+    config = trainer_config(tiny_model, run, free_port())
     samples = make_samples(tiny_model, policy_version=0)
     t0 = time.monotonic()
     frames = [
@@ -214,10 +218,9 @@ def run_trainer(model_dir: Path, run: Path, world: int, splits: list, samples: l
     """Run trainer.rl for 2 steps on `world` ranks; rank r gets micro-batches splits[r] (sample indices)."""
     from safetensors.torch import load_file
 
-    port = free_port() if world == 1 else _free_port_pair()
+    port = free_port() if world == 1 else free_port_pair()
     run.mkdir(parents=True)
-    config = {"model": {"name": str(model_dir)}, "output_dir": str(run), "max_steps": 2, "seq_len": 64,
-              "transport": {"port": port, "timeout_s": 120}, "optim": {"lr": 1e-3}}
+    config = trainer_config(model_dir, run, port, timeout_s=120)
     (run / "trainer.json").write_text(json.dumps(config))
     launcher = ["-m", "torch.distributed.run", "--nproc-per-node", str(world)] if world > 1 else []
     ctx = zmq.Context()
@@ -244,33 +247,12 @@ def run_trainer(model_dir: Path, run: Path, world: int, splits: list, samples: l
     return load_file(str(run / "weights" / "step_2" / "model.safetensors"))
 
 
-def _free_port_pair() -> int:
-    for _ in range(50):
-        port = free_port()
-        try:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", port + 1))
-            return port
-        except OSError:
-            continue
-    raise RuntimeError("no two consecutive free ports")
-
-
 def test_nonfinite_steps_are_skipped_then_stop_the_run(tiny_model, tmp_path):
     """An absurd learning rate blows the weights up after step 0, so every later loss is
     non-finite: those updates are skipped (weights keep their last finite values) and the
     second one in a row stops the trainer with a clear message."""
     run = tmp_path / "run"
-    port = free_port()
-    config = {
-        "model": {"name": str(tiny_model)},
-        "output_dir": str(run),
-        "max_steps": 5,
-        "seq_len": 64,
-        "max_nonfinite_steps": 2,
-        "transport": {"port": port, "timeout_s": 60},
-        "optim": {"lr": 1e30},
-    }
+    config = trainer_config(tiny_model, run, free_port(), lr=1e30, max_steps=5, max_nonfinite_steps=2)
     samples = make_samples(tiny_model, policy_version=0)
     returncode, out = run_trainer_process(tmp_path, config, [batch_frame(step, samples) for step in range(5)])
     assert returncode == 1, out
