@@ -178,6 +178,19 @@ class WeightsConfig(StrictModel):
     """How many `weights/step_N/` directories to keep (older ones are deleted)."""
 
 
+class CheckpointConfig(StrictModel):
+    """Resumable checkpoints: the trainer's under `checkpoints/step_N/`, the orchestrator's progress under `rollouts/`."""
+
+    interval: int | None = Field(10, ge=1)
+    """Write a checkpoint every this many steps (and after the last step); None = never."""
+
+    keep_last: int = Field(2, ge=1)
+    """How many complete checkpoints to keep; the newest complete one is never deleted."""
+
+    resume_step: int | None = Field(None, ge=1)
+    """Resume from `checkpoints/step_N/` (set by `prime-rl --resume`; None = a fresh run)."""
+
+
 class TrainerConfig(StrictModel):
     model: ModelConfig = ModelConfig()
     """Model to train."""
@@ -193,6 +206,9 @@ class TrainerConfig(StrictModel):
 
     transport: TransportConfig = TransportConfig()
     """Where micro-batches come from."""
+
+    ckpt: CheckpointConfig = CheckpointConfig()
+    """Resumable checkpoints."""
 
     max_steps: int = Field(20, ge=1)
     """Number of optimizer steps."""
@@ -266,6 +282,9 @@ class OrchestratorConfig(StrictModel):
     transport: TransportConfig = TransportConfig()
     """Where micro-batches go."""
 
+    ckpt: CheckpointConfig = CheckpointConfig()
+    """Resumable progress (data cursor, batches sampled but not yet trained on)."""
+
     batch_size: int = Field(64, ge=1)
     """Rollouts per step (examples per step x rollouts_per_example)."""
 
@@ -318,6 +337,9 @@ class OrchestratorConfig(StrictModel):
 class InferenceConfig(StrictModel):
     model: str = "Qwen/Qwen3-0.6B"
     """HF model id or local path to serve."""
+
+    served_model_name: str | None = None
+    """Name requests use for the model (vLLM `--served-model-name`); None = `model`. A resumed run serves `weights/step_N` under the original name."""
 
     host: str = "127.0.0.1"
     """Address the server binds."""
@@ -373,6 +395,7 @@ SHARED_FIELDS: dict[str, tuple[str, ...]] = {
     "env": ("orchestrator.env",),
     "wandb": ("trainer.wandb", "orchestrator.wandb"),
     "transport": ("trainer.transport", "orchestrator.transport"),
+    "ckpt": ("trainer.ckpt", "orchestrator.ckpt"),
 }
 
 
@@ -415,6 +438,9 @@ class RLConfig(StrictModel):
     transport: TransportConfig | None = None
     """Rollout transport settings for trainer and orchestrator."""
 
+    ckpt: CheckpointConfig | None = None
+    """Checkpoint settings for trainer and orchestrator."""
+
     trainer: TrainerConfig = TrainerConfig()
     """Trainer process."""
 
@@ -439,6 +465,14 @@ class RLConfig(StrictModel):
             client.model_fields_set.discard("base_url")
         if client.api_key is None and self.inference.api_key is not None:
             client.api_key = self.inference.api_key
+        # One checkpoint schedule for both processes: the orchestrator follows the trainer's.
+        if "ckpt" not in self.orchestrator.model_fields_set:
+            self.orchestrator.ckpt = self.trainer.ckpt.model_copy()
+            self.orchestrator.model_fields_set.discard("ckpt")
+        elif self.orchestrator.ckpt != self.trainer.ckpt:
+            raise ValueError(
+                "conflicting values: `orchestrator.ckpt` differs from `trainer.ckpt`; set `[ckpt]` once for both"
+            )
         return self
 
 

@@ -5,6 +5,8 @@
       logs/{trainer,orchestrator,inference}.log       one log per process
       weights/step_N/                                 HF safetensors of policy version N
       weights/step_N/STABLE                           marker, written last: only then does step N exist
+      checkpoints/step_N/ + STABLE                    trainer checkpoint after N steps (model, optimizer, ...)
+      rollouts/step_n/ + STABLE                       orchestrator progress: batch n as sent + its data cursor
       metrics.jsonl                                   one JSON row per process per step
 
 A directory handoff is complete only once its marker exists; readers act on the
@@ -52,6 +54,22 @@ def weights_step_dir(run: Path, step: int) -> Path:
     return weights_dir(run) / f"step_{step}"
 
 
+def checkpoints_dir(run: Path) -> Path:
+    return Path(run) / "checkpoints"
+
+
+def checkpoint_step_dir(run: Path, step: int) -> Path:
+    return checkpoints_dir(run) / f"step_{step}"
+
+
+def rollouts_dir(run: Path) -> Path:
+    return Path(run) / "rollouts"
+
+
+def rollouts_step_dir(run: Path, step: int) -> Path:
+    return rollouts_dir(run) / f"step_{step}"
+
+
 def complete_steps(parent: Path) -> list[int]:
     """Steps under ``parent`` whose ``step_N`` directory holds the marker, ascending."""
     parent = Path(parent)
@@ -91,13 +109,33 @@ def finish_step_dir(tmp: Path, step: int) -> Path:
     return final
 
 
-def prune_step_dirs(parent: Path, keep_last: int) -> None:
-    """Delete all but the newest ``keep_last`` complete step directories."""
+def latest_checkpoint_step(run: Path) -> int | None:
+    steps = complete_steps(checkpoints_dir(run))
+    return steps[-1] if steps else None
+
+
+def prune_step_dirs(parent: Path, keep_last: int, protect: set[int] = frozenset()) -> None:
+    """Delete all but the newest ``keep_last`` complete step directories (never one in ``protect``)."""
     for step in complete_steps(parent)[:-keep_last]:
-        victim = Path(parent) / f"step_{step}"
-        # Remove the marker first so a reader never sees a half-deleted complete step.
-        (victim / MARKER).unlink(missing_ok=True)
-        shutil.rmtree(victim, ignore_errors=True)
+        if step not in protect:
+            remove_step_dir(parent, step)
+
+
+def remove_step_dir(parent: Path, step: int) -> None:
+    """Delete ``step_N`` (marker first, so no reader sees a half-deleted complete step) and ``step_N.tmp``."""
+    victim = Path(parent) / f"step_{step}"
+    (victim / MARKER).unlink(missing_ok=True)
+    shutil.rmtree(victim, ignore_errors=True)
+    shutil.rmtree(Path(parent) / f"step_{step}.tmp", ignore_errors=True)
+
+
+def step_dirs(parent: Path) -> list[int]:
+    """Steps of every ``step_N`` or ``step_N.tmp`` under ``parent``, complete or not, ascending."""
+    parent = Path(parent)
+    if not parent.is_dir():
+        return []
+    found = {int(m.group(1)) for c in parent.iterdir() if (m := re.fullmatch(r"step_(\d+)(?:\.tmp)?", c.name))}
+    return sorted(found)
 
 
 def append_jsonl(path: Path, row: dict) -> None:
@@ -115,3 +153,27 @@ def read_jsonl(path: Path) -> list[dict]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+class WriteFailed(OSError):
+    """A write into the run directory failed (disk full, permission denied, ...)."""
+
+
+def write_failed(what: str, target: Path, error: BaseException) -> WriteFailed:
+    """One line naming what could not be written, where, and why."""
+    reason = getattr(error, "strerror", None) or str(error) or type(error).__name__
+    culprit = getattr(error, "filename", None)
+    where = f" ({culprit})" if culprit and str(culprit) != str(target) else ""
+    return WriteFailed(f"cannot write {what} {target}: {reason}{where}")
+
+
+def write_json_atomic(path: Path, data: dict) -> None:
+    """Write JSON through a temporary file and a rename: readers see the old or the new file, whole."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)

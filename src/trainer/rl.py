@@ -20,8 +20,10 @@ from torch import nn
 
 from prime_rl.config import LossConfig, TrainerConfig
 from prime_rl.metrics import Metrics, make_metrics
+from prime_rl.rundir import checkpoint_step_dir
 from prime_rl.settings import run_process
 from prime_rl.wire import TrainBatch
+from trainer.ckpt import checkpoint_due, load_checkpoint, save_checkpoint
 from trainer.data import BatchReceiver, MicroTensors, collate
 from trainer.loss import entropy_from_logits, policy_loss, token_logprobs
 from trainer.model import World, forward_logits, load_model, setup_world, teardown_world
@@ -54,11 +56,17 @@ def train(cfg: TrainerConfig) -> None:
         if world.is_main
         else Metrics("trainer", [])
     )
+    # ---- resume: the state after `start` steps (0 = the initial model)
+    start = 0
+    if cfg.ckpt.resume_step is not None:
+        start = load_checkpoint(model, optimizer, scheduler, cfg.output_dir, cfg.ckpt.resume_step)
+        if world.is_main:
+            log(f"resumed from {checkpoint_step_dir(cfg.output_dir, start)}: next step {start}")
     receiver = BatchReceiver(cfg.transport, world.rank)
     log(f"rank {world.rank}/{world.world_size} on {world.device}: {cfg.model.name}; batches from {receiver.address}")
     nonfinite = 0  # consecutive steps skipped for a non-finite loss or gradient
     try:
-        for step in range(cfg.max_steps):
+        for step in range(start, cfg.max_steps):
             t_start = time.perf_counter()
             # 1. rollouts for this step (sampled by policy versions in [step - async_level, step])
             batch = receiver.receive(step)
@@ -70,12 +78,17 @@ def train(cfg: TrainerConfig) -> None:
             # 3. publish policy version `step + 1` (collective gather, rank 0 writes)
             save_weights(model, cfg.output_dir, step + 1, cfg.weights.keep_last, cfg.model.name)
             t_save = time.perf_counter()
-            # 4. metrics (rank 0 only)
+            # 4. a resumable checkpoint every ckpt.interval steps and after the last one
+            if checkpoint_due(step + 1, cfg.ckpt.interval, cfg.max_steps):
+                save_checkpoint(model, optimizer, scheduler, cfg.output_dir, step + 1, cfg.ckpt.keep_last)
+            t_ckpt = time.perf_counter()
+            # 5. metrics (rank 0 only)
             timings = {
-                "step": t_save - t_start,
+                "step": t_ckpt - t_start,
                 "wait_batch": t_batch - t_start,
                 "train": t_train - t_batch,
                 "save_weights": t_save - t_train,
+                "save_ckpt": t_ckpt - t_save,
             }
             metrics.log(step, {**step_metrics(stats, timings, step), "optim/nonfinite_streak": nonfinite})
         if world.is_main:

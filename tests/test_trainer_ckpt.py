@@ -1,0 +1,185 @@
+"""Trainer checkpoints: exact resume, the marker rule, pruning, and writes that fail."""
+
+import contextlib
+import os
+import resource
+import shutil
+import signal
+import subprocess
+
+import pytest
+import torch
+
+from prime_rl.config import OptimConfig
+from prime_rl.rundir import MARKER, WriteFailed, checkpoint_step_dir, checkpoints_dir, complete_steps, weights_dir
+from trainer.ckpt import CheckpointError, checkpoint_due, load_checkpoint, save_checkpoint
+from trainer.optim import build_optimizer, clip_and_step
+from trainer.weights import save_weights
+
+
+def fresh(tiny_model):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    optimizer, scheduler = build_optimizer(model, OptimConfig(lr=1e-2, warmup_steps=3, weight_decay=0.1))
+    return model, optimizer, scheduler
+
+
+def train_step(model, optimizer, scheduler, step: int) -> None:
+    """One optimizer step on a batch that depends only on ``step``."""
+    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(step))
+    model(input_ids=ids, labels=ids).loss.backward()
+    clip_and_step(model, optimizer, scheduler, max_grad_norm=1.0)
+
+
+def test_resume_continues_exactly_like_an_uninterrupted_run(tiny_model, tmp_path):
+    straight = fresh(tiny_model)
+    for step in range(4):
+        train_step(*straight, step)
+
+    interrupted = fresh(tiny_model)
+    for step in range(2):
+        train_step(*interrupted, step)
+    save_checkpoint(*interrupted, tmp_path, step=2, keep_last=2)
+    train_step(*interrupted, 99)  # work after the checkpoint is lost with the process
+
+    resumed = fresh(tiny_model)
+    assert load_checkpoint(*resumed, tmp_path, step=2) == 2
+    for step in range(2, 4):
+        train_step(*resumed, step)
+
+    for (name, a), b in zip(straight[0].named_parameters(), resumed[0].parameters()):
+        assert torch.equal(a, b), name  # model, AdamW moments and the warm-up schedule all restored
+    assert resumed[2].last_epoch == straight[2].last_epoch == 4
+    assert resumed[1].param_groups[0]["lr"] == straight[1].param_groups[0]["lr"]
+
+
+def test_rng_state_is_restored(tiny_model, tmp_path):
+    model, optimizer, scheduler = fresh(tiny_model)
+    torch.manual_seed(123)
+    save_checkpoint(model, optimizer, scheduler, tmp_path, step=1, keep_last=1)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    load_checkpoint(*fresh(tiny_model), tmp_path, step=1)
+    assert torch.equal(torch.rand(3), expected)
+
+
+def test_a_checkpoint_without_its_marker_is_never_loaded(tiny_model, tmp_path):
+    state = fresh(tiny_model)
+    save_checkpoint(*state, tmp_path, step=2, keep_last=2)
+    # A crash between the rename and the marker, and one while filling step_4.tmp:
+    shutil.copytree(checkpoint_step_dir(tmp_path, 2), checkpoint_step_dir(tmp_path, 3))
+    (checkpoint_step_dir(tmp_path, 3) / MARKER).unlink()
+    shutil.copytree(checkpoint_step_dir(tmp_path, 2), checkpoints_dir(tmp_path) / "step_4.tmp")
+    assert complete_steps(checkpoints_dir(tmp_path)) == [2]
+    for step in (3, 4):
+        with pytest.raises(CheckpointError, match=rf"step_{step} is not a complete checkpoint \(no STABLE marker\); complete ones: \[2\]"):
+            load_checkpoint(*fresh(tiny_model), tmp_path, step=step)
+
+
+def test_a_tampered_checkpoint_cannot_run_code(tiny_model, tmp_path):
+    """DCP's metadata file is a pickle: only DCP's own metadata types may come out of it."""
+    import pickle
+
+    state = fresh(tiny_model)
+    save_checkpoint(*state, tmp_path, step=1, keep_last=1)
+    evil = checkpoint_step_dir(tmp_path, 1) / "model_optim" / ".metadata"
+    evil.write_bytes(pickle.dumps(EvilPayload()))
+    with pytest.raises(CheckpointError, match="posix.system, which is not a DCP metadata type"):
+        load_checkpoint(*fresh(tiny_model), tmp_path, step=1)
+    assert not (tmp_path / "pwned").exists()
+
+
+class EvilPayload:
+    def __reduce__(self):
+        return os.system, ("touch pwned",)
+
+
+def test_keep_last_prunes_old_checkpoints_but_weights_of_checkpoints_stay(tiny_model, tmp_path):
+    model, optimizer, scheduler = fresh(tiny_model)
+    for step in range(1, 6):
+        save_weights(model, tmp_path, step, keep_last=1)
+        if checkpoint_due(step, interval=2, max_steps=5):
+            save_checkpoint(model, optimizer, scheduler, tmp_path, step, keep_last=2)
+    assert complete_steps(checkpoints_dir(tmp_path)) == [4, 5]
+    # weights keep_last=1, yet the weights of every kept checkpoint remain for a resume to serve
+    # (step 2's go with the next weights save, now that checkpoint 2 is pruned)
+    assert complete_steps(weights_dir(tmp_path)) == [2, 4, 5]
+    save_weights(model, tmp_path, 6, keep_last=1)
+    assert complete_steps(weights_dir(tmp_path)) == [4, 5, 6]
+    assert [s for s in range(1, 8) if checkpoint_due(s, 3, 7)] == [3, 6, 7]
+    assert not checkpoint_due(3, None, 3)
+
+
+# --------------------------------------------------------------------------- failing writes
+
+
+@contextlib.contextmanager
+def disk_full(path):
+    """``path`` on a 3 MiB tmpfs (a real ENOSPC); without mount rights, a 1 MiB file-size limit (EFBIG)."""
+    path.mkdir(parents=True, exist_ok=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(path)], capture_output=True).returncode == 0
+    previous_limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    previous_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    try:
+        if not mounted:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, previous_limit[1]))
+        yield "No space left on device" if mounted else "File too large"
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, previous_limit)
+        signal.signal(signal.SIGXFSZ, previous_handler)
+        if mounted:
+            subprocess.run(["umount", "-l", str(path)], check=True)
+
+
+@contextlib.contextmanager
+def read_only(path):
+    """Writes into ``path`` fail: chattr +i as root (EPERM), chmod 555 otherwise (EACCES)."""
+    if os.geteuid() == 0:
+        if subprocess.run(["chattr", "+i", str(path)], capture_output=True).returncode != 0:
+            pytest.skip("running as root on a filesystem without chattr +i: no way to deny a write")
+        try:
+            yield "Operation not permitted"
+        finally:
+            subprocess.run(["chattr", "-i", str(path)], check=True)
+    else:
+        path.chmod(0o555)
+        try:
+            yield "Permission denied"
+        finally:
+            path.chmod(0o755)
+
+
+def assert_previous_checkpoint_intact(tiny_model, run, failed_step):
+    assert complete_steps(checkpoints_dir(run)) == [1]
+    assert not checkpoint_step_dir(run, failed_step).exists()
+    assert not (checkpoints_dir(run) / f"step_{failed_step}.tmp").exists()
+    assert load_checkpoint(*fresh(tiny_model), run, step=1) == 1
+
+
+def test_disk_full_keeps_the_previous_checkpoint_and_names_the_path(tiny_model, tmp_path):
+    run = tmp_path / "run"
+    state = fresh(tiny_model)
+    with disk_full(run) as reason:
+        save_checkpoint(*state, run, step=1, keep_last=5)  # ~2.4 MB: fits once, not twice
+        train_step(*state, 1)
+        with pytest.raises(WriteFailed) as failure:
+            save_checkpoint(*state, run, step=2, keep_last=5)
+        message = str(failure.value)
+        assert message.startswith(f"cannot write checkpoint {checkpoint_step_dir(run, 2)}: {reason}"), message
+        assert "\n" not in message
+        assert_previous_checkpoint_intact(tiny_model, run, failed_step=2)
+
+
+def test_permission_denied_keeps_the_previous_checkpoint_and_names_the_path(tiny_model, tmp_path):
+    run = tmp_path / "run"
+    state = fresh(tiny_model)
+    save_checkpoint(*state, run, step=1, keep_last=5)
+    with read_only(checkpoints_dir(run)) as reason:
+        with pytest.raises(WriteFailed, match=rf"^cannot write checkpoint {checkpoint_step_dir(run, 2)}: {reason}"):
+            save_checkpoint(*state, run, step=2, keep_last=5)
+    assert_previous_checkpoint_intact(tiny_model, run, failed_step=2)
+    weights_dir(run).mkdir(parents=True)
+    with read_only(weights_dir(run)) as reason:
+        with pytest.raises(WriteFailed, match=rf"^cannot write weights {weights_dir(run) / 'step_2'}: {reason}"):
+            save_weights(state[0], run, 2, keep_last=1)
