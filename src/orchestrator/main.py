@@ -30,6 +30,7 @@ from prime_rl.config import OrchestratorConfig
 from prime_rl.metrics import make_metrics
 from prime_rl.rundir import MARKER, latest_weights_step, weights_dir, weights_step_dir
 from prime_rl.settings import ConfigError, help_text, process_config
+from prime_rl.wire import encode_batch
 
 from orchestrator.advantages import group_advantages, zero_variance_groups
 from orchestrator.batch import ScoredRollout, pack_batches
@@ -37,6 +38,7 @@ from orchestrator.client import InferenceClient, InferenceError
 from orchestrator.data import ExampleOrder
 from orchestrator.envs import Environment, Rollout, load_env
 from orchestrator.envs.base import rollout_group
+from orchestrator.progress import ResumeError, StepRecord, plan_resume, prune_records, save_record
 from orchestrator.sender import BatchSender
 
 CONSOLE_KEYS = ("reward/mean", "policy/version", "staleness/max", "seq/completion_len_mean", "time/step")
@@ -159,19 +161,32 @@ def step_metrics(
 async def run(cfg: OrchestratorConfig, envs: list[Environment]) -> None:
     order = ExampleOrder([len(env.dataset) for env in envs], seed=cfg.seed)
     examples_per_step = cfg.batch_size // cfg.rollouts_per_example
+    data = {"seed": cfg.seed, "dataset_sizes": [len(env.dataset) for env in envs], "examples_per_step": examples_per_step}
+    record_progress = cfg.ckpt.interval is not None
     metrics = make_metrics("orchestrator", cfg.output_dir, CONSOLE_KEYS, cfg.wandb, cfg.model_dump(mode="json"))
     client = InferenceClient(cfg.client, cfg.model)
     sender, delivered = None, False
     try:
         sender = BatchSender(cfg.transport, cfg.num_trainer_ranks)  # bind early so trainer ranks can connect
+        start, version = 0, 0  # a fresh run: step 0, the initial model
+        if cfg.ckpt.resume_step is not None:
+            # Resume: inference serves weights/step_N; re-send what was sampled but not trained on.
+            plan = plan_resume(cfg.output_dir, cfg.ckpt.resume_step, data, cfg.num_trainer_ranks)
+            order.load_state_dict({"cursor": plan.cursor})
+            start, version = plan.next_step, cfg.ckpt.resume_step
+            for record in plan.replay:
+                for rank, frame in enumerate(record.frames):
+                    sender.send_frame(rank, record.step, frame)
+                metrics.log(record.step, {**record.metrics, "resume/replayed": 1})
+            log(f"resumed at checkpoint step {cfg.ckpt.resume_step}: re-sent {len(plan.replay)} recorded batches, sampling from step {start}")
         await client.wait_healthy(cfg.client.startup_timeout_s)
-        version = 0  # the initial model
-        for step in range(cfg.max_steps):
+        for step in range(start, cfg.max_steps):
             step_start = time.perf_counter()
             # (a) inference must serve a policy no older than step - async_level
             sync = await sync_policy(step, version, cfg, client)
             version = sync.version
             # (b) the step's examples
+            cursor_before = order.cursor
             picks = order.next(examples_per_step)
             # (c) all rollouts concurrently (the client caps requests in flight)
             generate_start = time.perf_counter()
@@ -183,19 +198,26 @@ async def run(cfg: OrchestratorConfig, envs: list[Environment]) -> None:
             )
             items = [ScoredRollout(r, float(a), version) for r, a in zip(rollouts, advantages, strict=True)]
             check_async_bound(items, step, cfg.async_level)
-            # (e) one batch per trainer rank
-            for batch in pack_batches(
+            # (e) one batch per trainer rank, recorded (for a resume) before it is sent
+            batches = pack_batches(
                 items,
                 step=step,
                 num_ranks=cfg.num_trainer_ranks,
                 micro_batch_size=cfg.micro_batch_size,
                 temperature=cfg.sampling.temperature,
                 seq_len=cfg.seq_len,
-            ):
-                sender.send(batch)
+            )
+            frames = [encode_batch(batch) for batch in batches]
+            row = step_metrics(step, items, sync, cfg, generate_s, time.perf_counter() - step_start, client.retries)
+            if record_progress:
+                versions = [item.policy_version for item in items]
+                record = StepRecord(step, frames, cursor_before, order.cursor, picks, min(versions), max(versions), data, row)
+                save_record(cfg.output_dir, record)
+                prune_records(cfg.output_dir)
+            for rank, frame in enumerate(frames):
+                sender.send_frame(rank, step, frame)
             # (f) metrics
-            step_s = time.perf_counter() - step_start
-            metrics.log(step, step_metrics(step, items, sync, cfg, generate_s, step_s, client.retries))
+            metrics.log(step, row)
         delivered = True
     finally:
         # After the last step, linger so queued batches still reach the trainer; on an error, drop them.
@@ -203,6 +225,10 @@ async def run(cfg: OrchestratorConfig, envs: list[Environment]) -> None:
             sender.close(flush=delivered)
         await client.close()
         metrics.close()
+
+
+def log(msg: str) -> None:
+    print(f"[orchestrator] {msg}", flush=True)
 
 
 # --------------------------------------------------------------------------- entry point
@@ -231,9 +257,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         asyncio.run(run(cfg, envs))
-    except (OSError, InferenceError, ExceptionGroup) as e:  # TimeoutError is an OSError
+    except (OSError, InferenceError, ResumeError, ExceptionGroup) as e:  # TimeoutError is an OSError
         errors = leaf_errors(e)
-        if not all(isinstance(err, OSError | InferenceError) for err in errors):
+        if not all(isinstance(err, OSError | InferenceError | ResumeError) for err in errors):
             raise
         # Expected failures (a peer missing or misbehaving): the message, once, without a traceback.
         for message in dict.fromkeys(str(err) for err in errors):

@@ -36,12 +36,16 @@ class BatchSender:
 
     def send(self, batch: TrainBatch) -> None:
         """Queue one rank's batch; fails if that rank has not taken it within the timeout."""
+        self.send_frame(batch.rank, batch.step, encode_batch(batch))
+
+    def send_frame(self, rank: int, step: int, frame: bytes) -> None:
+        """Queue an encoded batch (``encode_batch``) for ``rank``; ``step`` names it in errors."""
         try:
-            self._sockets[batch.rank].send(encode_batch(batch), copy=False)
+            self._sockets[rank].send(frame, copy=False)
         except zmq.Again:
             raise TimeoutError(
-                f"trainer rank {batch.rank} did not take the batch for step {batch.step} within "
-                f"{self.config.timeout_s:.0f} s (no trainer connected to {self.addresses[batch.rank]}?)"
+                f"trainer rank {rank} did not take the batch for step {step} within "
+                f"{self.config.timeout_s:.0f} s (no trainer connected to {self.addresses[rank]}?)"
             ) from None
 
     def close(self, flush: bool = True) -> None:

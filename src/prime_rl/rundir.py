@@ -124,7 +124,10 @@ def prune_step_dirs(parent: Path, keep_last: int, protect: set[int] = frozenset(
 def remove_step_dir(parent: Path, step: int) -> None:
     """Delete ``step_N`` (marker first, so no reader sees a half-deleted complete step) and ``step_N.tmp``."""
     victim = Path(parent) / f"step_{step}"
-    (victim / MARKER).unlink(missing_ok=True)
+    try:
+        (victim / MARKER).unlink(missing_ok=True)
+    except OSError:  # not a directory, or not ours to delete: nothing half-deleted to hide
+        pass
     shutil.rmtree(victim, ignore_errors=True)
     shutil.rmtree(Path(parent) / f"step_{step}.tmp", ignore_errors=True)
 

@@ -1,0 +1,162 @@
+"""The orchestrator's resumable progress: every batch it sends, recorded before it is sent.
+
+    rollouts/step_n/
+      rank_R.msgpack    the batch for trainer rank R, exactly the frame sent (prime_rl.wire)
+      progress.json     data cursor before and after step n, the examples picked, the
+                        policy versions sampled with, the step's metrics row, the data order
+      STABLE            marker, written last
+
+With async_level >= 1 the orchestrator runs ahead of the trainer, so when the trainer
+checkpoints step N, batches N, N+1, ... may already be sampled. Recording each batch
+before sending it means a restart loses none of them: resuming from checkpoint N
+re-sends the recorded batches N, N+1, ... that were sampled by policy versions <= N (the
+trajectory the checkpoint is part of) and samples on from the data cursor after the last
+of them. Later records came from weights the restart discards; they are deleted, and
+their steps are sampled again from the same cursor, so the same prompts come in the same
+order. Records older than the oldest complete trainer checkpoint (minus one, whose
+cursor a resume may need) are pruned.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from prime_rl.rundir import (
+    MARKER,
+    begin_step_dir,
+    checkpoints_dir,
+    complete_steps,
+    finish_step_dir,
+    remove_step_dir,
+    rollouts_dir,
+    rollouts_step_dir,
+    step_dirs,
+    write_failed,
+    write_json_atomic,
+)
+
+PROGRESS_FILE = "progress.json"
+
+
+class ResumeError(RuntimeError):
+    """The recorded progress cannot continue this run (missing, or made with other data settings)."""
+
+
+@dataclass
+class StepRecord:
+    step: int
+    frames: list[bytes]
+    """One encoded TrainBatch per trainer rank, in rank order."""
+
+    cursor_before: int
+    cursor_after: int
+    picks: list[tuple[int, int]]
+    """(environment index, example index) of every example of the step, in order."""
+
+    min_version: int
+    max_version: int
+    data: dict = field(default_factory=dict)
+    """What the cursor means: seed, dataset sizes, examples per step. A resume must match it."""
+
+    metrics: dict = field(default_factory=dict)
+
+    def meta(self) -> dict:
+        meta = asdict(self)
+        del meta["frames"]
+        meta["num_ranks"] = len(self.frames)
+        return meta
+
+
+def save_record(run_dir: Path, record: StepRecord) -> Path:
+    """Write ``rollouts/step_n`` (marker last); a failed write raises ``WriteFailed`` naming it."""
+    parent = rollouts_dir(run_dir)
+    try:
+        tmp = begin_step_dir(parent, record.step)
+        for rank, frame in enumerate(record.frames):
+            (tmp / f"rank_{rank}.msgpack").write_bytes(frame)
+        write_json_atomic(tmp / PROGRESS_FILE, record.meta())
+        return finish_step_dir(tmp, record.step)
+    except OSError as e:
+        remove_step_dir(parent, record.step)
+        raise write_failed("rollouts", rollouts_step_dir(run_dir, record.step), e) from e
+
+
+def load_record(run_dir: Path, step: int) -> StepRecord | None:
+    """The record of ``step``, or None when it is missing or incomplete (no marker)."""
+    folder = rollouts_step_dir(run_dir, step)
+    if not (folder / MARKER).is_file():
+        return None
+    try:
+        meta = json.loads((folder / PROGRESS_FILE).read_text())
+        frames = [(folder / f"rank_{r}.msgpack").read_bytes() for r in range(meta.pop("num_ranks"))]
+        meta["picks"] = [tuple(p) for p in meta["picks"]]
+        return StepRecord(frames=frames, **meta)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ResumeError(f"unreadable orchestrator progress {folder}: {e}") from e
+
+
+@dataclass(frozen=True)
+class ResumePlan:
+    replay: list[StepRecord]
+    """Recorded batches to send again, from the checkpoint's step on."""
+
+    next_step: int
+    """First step to sample anew."""
+
+    cursor: int
+    """Data cursor before ``next_step``."""
+
+
+def plan_resume(run_dir: Path, resume_step: int, data: dict, num_ranks: int) -> ResumePlan:
+    """What to re-send and where to continue after a restart from checkpoint ``resume_step``.
+
+    Deletes the records this resume supersedes (sampled by weights newer than the checkpoint).
+    """
+    replay: list[StepRecord] = []
+    step = resume_step
+    while (record := load_record(run_dir, step)) is not None and record.max_version <= resume_step:
+        check_compatible(record, data, num_ranks, run_dir)
+        replay.append(record)
+        step += 1
+    if record is not None:  # recorded, but sampled by weights the restart discards
+        cursor = record.cursor_before
+    elif replay:
+        cursor = replay[-1].cursor_after
+    elif resume_step == 0:
+        cursor = 0
+    elif (previous := load_record(run_dir, resume_step - 1)) is not None:
+        check_compatible(previous, data, num_ranks, run_dir)
+        cursor = previous.cursor_after
+    else:
+        raise ResumeError(
+            f"no orchestrator progress for step {resume_step} in {rollouts_dir(run_dir)} "
+            f"(expected step_{resume_step - 1} or step_{resume_step} with its {MARKER} marker)"
+        )
+    for stale in step_dirs(rollouts_dir(run_dir)):
+        if stale >= step:
+            remove_step_dir(rollouts_dir(run_dir), stale)
+    return ResumePlan(replay=replay, next_step=step, cursor=cursor)
+
+
+def check_compatible(record: StepRecord, data: dict, num_ranks: int, run_dir: Path) -> None:
+    """A resume must read the data the way the recorded run did, and feed as many ranks."""
+    changed = [f"{key} was {record.data.get(key)!r}, now {value!r}" for key, value in data.items() if record.data.get(key) != value]
+    if len(record.frames) != num_ranks:
+        changed.append(f"num_trainer_ranks was {len(record.frames)}, now {num_ranks}")
+    if changed:
+        raise ResumeError(
+            f"cannot resume from {rollouts_step_dir(run_dir, record.step)}: the run's data settings changed "
+            f"({'; '.join(changed)}); resume with the original settings"
+        )
+
+
+def prune_records(run_dir: Path) -> None:
+    """Drop records no kept trainer checkpoint can need (older than the oldest one, minus one)."""
+    checkpoints = complete_steps(checkpoints_dir(run_dir))
+    if not checkpoints:
+        return
+    for step in complete_steps(rollouts_dir(run_dir)):
+        if step < checkpoints[0] - 1:
+            remove_step_dir(rollouts_dir(run_dir), step)
