@@ -48,6 +48,12 @@ CASES = [
     ("seq_len = 128\n[inference]\nseq_len = 256\n", [], "conflicting values: `seq_len` = 128 but `inference.seq_len` = 256"),
     # not TOML at all
     ("max_steps = = 3\n", [], "not valid TOML"),
+    # checkpoints and resuming
+    ("[ckpt]\ninterval = 0\n", [], "ckpt.interval: Input should be greater than or equal to 1"),
+    ("[orchestrator.ckpt]\ninterval = 3\n", [], "conflicting values: `orchestrator.ckpt` differs from `trainer.ckpt`"),
+    ("", ["--resume"], "--resume: no complete checkpoint in {run}/checkpoints"),
+    ("", ["--resume-step", "two"], "--resume-step: expected a checkpoint step (an integer >= 1), got 'two'"),
+    ("", ["--resume", "--clean"], "--clean and --resume contradict each other"),
 ]
 
 
@@ -56,6 +62,7 @@ def test_malformed_config_stops_before_any_process(tmp_path, capsys, text, flags
     run = tmp_path / "run"
     config = tmp_path / "bad.toml"
     config.write_text((BASE + text).replace("{run}", str(run)))
+    expected = expected.replace("{run}", str(run))
     with pytest.raises(SystemExit) as exit_info:
         main([str(config), "--no-tmux", *flags])
     err = capsys.readouterr().err.strip()

