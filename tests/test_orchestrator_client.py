@@ -20,7 +20,7 @@ MESSAGES = [
 
 def run_with_client(server, fn, **config):
     async def go():
-        client = InferenceClient(ClientConfig(base_url=server.url, timeout_s=5, **config), "tiny")
+        client = InferenceClient(ClientConfig(base_url=server.url, **{"timeout_s": 5, **config}), "tiny")
         try:
             return await fn(client)
         finally:
@@ -94,8 +94,9 @@ def test_reload_weights_makes_the_four_calls_in_order(tmp_path):
 def test_failed_reload_names_the_call_and_still_resumes(tmp_path):
     with FakeInferenceServer(fail={"/collective_rpc": 500}) as server:
         with pytest.raises(InferenceError, match=r"/collective_rpc answered status 500"):
-            run_with_client(server, lambda c: c.reload_weights(tmp_path))
-    assert server.admin_calls() == ["/pause?mode=wait", "/collective_rpc", "/resume"]
+            run_with_client(server, lambda c: c.reload_weights(tmp_path), max_retries=1, retry_backoff_s=0.01)
+    # a 500 is retried once (max_retries=1), then the server is resumed and the error raised
+    assert server.admin_calls() == ["/pause?mode=wait", "/collective_rpc", "/collective_rpc", "/resume"]
 
 
 def test_prefix_cache_reset_that_keeps_failing_is_an_error(tmp_path, monkeypatch):
@@ -220,3 +221,27 @@ def test_connection_errors_fail_clearly_after_the_retries():
 
     with pytest.raises(InferenceError, match=rf"POST http://127.0.0.1:{port}/v1/chat/completions failed: ConnectError"):
         asyncio.run(go())
+
+
+@pytest.mark.parametrize("fault", [{"fail": {"/v1/chat/completions": 503}}, {"delay": {"/v1/chat/completions": 1.5}}], ids=["http-503", "timeout"])
+def test_transient_server_errors_and_timeouts_are_retried_and_counted(fault):
+    async def chat_and_count(client):
+        return await client.chat(MESSAGES, max_tokens=8, temperature=1.0), client.retries
+
+    with FakeInferenceServer(faults_first=2, **fault) as server:
+        result, retries = run_with_client(server, chat_and_count, timeout_s=0.5, max_retries=3, retry_backoff_s=0.01)
+    assert result.text == "cba"
+    assert retries == 2
+
+
+def test_a_server_error_that_persists_fails_after_the_retries():
+    with FakeInferenceServer(fail={"/v1/chat/completions": 503}) as server:
+        with pytest.raises(InferenceError, match=r"/v1/chat/completions answered status 503"):
+            run_with_client(server, lambda c: c.chat(MESSAGES, max_tokens=4, temperature=1.0), max_retries=2, retry_backoff_s=0.01)
+        assert len([c for c in server.calls if c[1] == "/v1/chat/completions"]) == 3
+
+
+def test_a_request_that_keeps_timing_out_fails_naming_the_wait():
+    with FakeInferenceServer(delay={"/v1/chat/completions": 1.0}) as server:
+        with pytest.raises(InferenceError, match=r"/v1/chat/completions: no answer within 0.3 s \(2 tries\)"):
+            run_with_client(server, lambda c: c.chat(MESSAGES, max_tokens=4, temperature=1.0), timeout_s=0.3, max_retries=1, retry_backoff_s=0.01)

@@ -25,6 +25,8 @@ from prime_rl.config import ClientConfig
 # /reset_prefix_cache answers 200 with {"success": false} while KV blocks are still held;
 # vLLM's docs say to retry. After /pause?mode=wait nothing runs, so a few tries suffice.
 _RESET_RETRIES = 20
+# Server-side errors worth another try: overloaded, restarting, or behind a failing proxy.
+TRANSIENT_STATUS = frozenset({500, 502, 503, 504})
 _RESET_RETRY_S = 0.05
 
 
@@ -146,32 +148,35 @@ class InferenceClient:
 
     async def _post(self, path: str, *, check: bool = True, **kwargs: Any) -> httpx.Response | None:
         url = f"{self.base_url}{path}"
+        tries = f"{self.config.max_retries + 1} tries"
         try:
             response = await self._post_with_retries(path, **kwargs)
         except httpx.TimeoutException:
             if not check:
                 return None
-            raise InferenceError(f"POST {url}: no answer within {self.config.timeout_s:.0f} s") from None
+            raise InferenceError(f"POST {url}: no answer within {self.config.timeout_s:g} s ({tries})") from None
         except httpx.TransportError as e:
             if not check:
                 return None
-            raise InferenceError(f"POST {url} failed: {type(e).__name__}: {e}") from None
+            raise InferenceError(f"POST {url} failed: {type(e).__name__}: {e} ({tries})") from None
         if check and response.status_code != 200:
             raise InferenceError(f"POST {url} answered status {response.status_code}: {response.text[:500]}")
         return response
 
-
     async def _post_with_retries(self, path: str, **kwargs: Any) -> httpx.Response:
-        """Retry connection-level failures (a dropped keep-alive connection, a refused
-        connect) with exponential backoff; timeouts and HTTP errors are not retried here."""
+        """Retry transient failures with exponential backoff: a dropped or refused connection
+        (vLLM restarting), a timeout, an HTTP 5xx. The last failure is returned or raised."""
         for attempt in range(self.config.max_retries + 1):
+            last = attempt == self.config.max_retries
             try:
-                return await self._http.post(path, **kwargs)
-            except (httpx.ConnectError, httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError):
-                if attempt == self.config.max_retries:
+                response = await self._http.post(path, **kwargs)
+                if response.status_code not in TRANSIENT_STATUS or last:
+                    return response
+            except httpx.TransportError:  # connect/read/write errors and timeouts
+                if last:
                     raise
-                self.retries += 1
-                await asyncio.sleep(self.config.retry_backoff_s * 2**attempt)
+            self.retries += 1
+            await asyncio.sleep(self.config.retry_backoff_s * 2**attempt)
         raise AssertionError("unreachable")
 
 

@@ -8,7 +8,9 @@ without a model. Lets the orchestrator (or anyone) run without vLLM.
   ``prompt_token_ids``, ``choices[i].token_ids`` and ``choices[i].logprobs.content`` for ``n`` choices.
 - ``GET /health``, ``POST /pause``, ``/collective_rpc``, ``/reset_prefix_cache``,
   ``/resume``: answered like vLLM's dev-mode server and recorded in ``calls`` in order.
-- ``fail``: {path: status} makes that path answer the status (fault injection).
+- fault injection: ``fail`` ({path: status}) makes that path answer the status, ``delay``
+  ({path: seconds}) makes it answer late; with ``faults_first=k`` only the first k
+  requests to such a path are affected (a transient fault), else all of them.
 
 Standalone: ``python -m orchestrator.fake_inference --port 8000``.
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import threading
+import time
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -46,9 +49,14 @@ class FakeInferenceServer:
         port: int = 0,
         responder: Callable[[list[dict[str, Any]], int], str] = reverse_half_the_time,
         fail: dict[str, int] | None = None,
+        delay: dict[str, float] | None = None,
+        faults_first: int | None = None,
     ):
         self.responder = responder
         self.fail = dict(fail or {})
+        self.delay = dict(delay or {})
+        self.faults_first = faults_first
+        self._route_counts: dict[str, int] = {}
         self.calls: list[tuple[str, str, Any]] = []
         """(method, path with query, JSON body or None) of every request, in arrival order."""
 
@@ -96,7 +104,11 @@ class FakeInferenceServer:
             index = self._requests
             if route == "/v1/chat/completions":
                 self._requests += 1
-        if route in self.fail:
+            seen = self._route_counts[route] = self._route_counts.get(route, 0) + 1
+        faulty = self.faults_first is None or seen <= self.faults_first
+        if faulty and route in self.delay:
+            time.sleep(self.delay[route])
+        if faulty and route in self.fail:
             return self.fail[route], {"error": f"injected failure of {route}"}
         if method == "GET" and route == "/health":
             return 200, None

@@ -249,7 +249,7 @@ class ClientConfig(StrictModel):
     """Most requests in flight at once."""
 
     max_retries: int = Field(3, ge=0)
-    """Retries of a request that failed at the connection level (dropped or refused connection)."""
+    """Retries of a request that failed transiently (dropped or refused connection, timeout, HTTP 5xx)."""
 
     retry_backoff_s: float = Field(0.5, ge=0)
     """First retry delay; doubles with each retry."""
