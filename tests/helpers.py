@@ -53,7 +53,17 @@ def tagged_processes(tag: str) -> list[tuple[int, str]]:
     return found
 
 
-def trio_toml(model: Path, run_dir: Path, max_steps: int = 3, async_level: int = 1) -> str:
+def trio_toml(
+    model: Path,
+    run_dir: Path,
+    max_steps: int = 3,
+    async_level: int = 1,
+    *,
+    lr: float = 1e-3,
+    batch_size: int = 16,
+    rollouts_per_example: int = 4,
+    extra: str = "",
+) -> str:
     """A tiny RL run: few short rollouts, free ports so tests never collide."""
     return f"""
 model = "{model}"
@@ -61,8 +71,8 @@ output_dir = "{run_dir}"
 max_steps = {max_steps}
 seq_len = 96
 async_level = {async_level}
-batch_size = 16
-rollouts_per_example = 4
+batch_size = {batch_size}
+rollouts_per_example = {rollouts_per_example}
 
 [sampling]
 max_tokens = 8
@@ -75,11 +85,11 @@ port = {free_port()}
 timeout_s = 300
 
 [trainer.optim]
-lr = 1e-3
+lr = {lr}
 
 [orchestrator]
 micro_batch_size = 8
 
 [inference]
 port = {free_port()}
-"""
+{extra}"""

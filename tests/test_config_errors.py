@@ -49,7 +49,7 @@ CASES = [
     # not TOML at all
     ("max_steps = = 3\n", [], "not valid TOML"),
     # checkpoints and resuming
-    ("[ckpt]\ninterval = 0\n", [], "ckpt.interval: Input should be greater than or equal to 1"),
+    ("[ckpt]\ninterval = -1\n", [], "ckpt.interval: Input should be greater than or equal to 0"),
     ("[orchestrator.ckpt]\ninterval = 3\n", [], "conflicting values: `orchestrator.ckpt` differs from `trainer.ckpt`"),
     ("", ["--resume"], "--resume: no complete checkpoint in {run}/checkpoints"),
     ("", ["--resume-step", "two"], "--resume-step: expected a checkpoint step (an integer >= 1), got 'two'"),

@@ -108,17 +108,19 @@ def test_keep_last_prunes_old_checkpoints_but_weights_of_checkpoints_stay(tiny_m
     save_weights(model, tmp_path, 6, keep_last=1)
     assert complete_steps(weights_dir(tmp_path)) == [4, 5, 6]
     assert [s for s in range(1, 8) if checkpoint_due(s, 3, 7)] == [3, 6, 7]
-    assert not checkpoint_due(3, None, 3)
+    assert not checkpoint_due(3, 0, 3)
 
 
 # --------------------------------------------------------------------------- failing writes
 
 
 @contextlib.contextmanager
-def disk_full(path):
-    """``path`` on a 3 MiB tmpfs (a real ENOSPC); without mount rights, a 1 MiB file-size limit (EFBIG)."""
+def disk_full(path, size="3m", require_mount=False):
+    """``path`` on a small tmpfs (a real ENOSPC); without mount rights, a 1 MiB file-size limit (EFBIG)."""
     path.mkdir(parents=True, exist_ok=True)
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(path)], capture_output=True).returncode == 0
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True).returncode == 0
+    if require_mount and not mounted:
+        pytest.skip("cannot mount a small tmpfs here (needs root): the in-process disk-full test covers the path")
     previous_limit = resource.getrlimit(resource.RLIMIT_FSIZE)
     previous_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     try:
@@ -183,3 +185,20 @@ def test_permission_denied_keeps_the_previous_checkpoint_and_names_the_path(tiny
     with read_only(weights_dir(run)) as reason:
         with pytest.raises(WriteFailed, match=rf"^cannot write weights {weights_dir(run) / 'step_2'}: {reason}"):
             save_weights(state[0], run, 2, keep_last=1)
+
+
+def test_trainer_process_stops_on_a_full_disk_naming_the_checkpoint(tiny_model, tmp_path):
+    """The real trainer process on a nearly full disk: checkpoint 1 fits, checkpoint 2 does not."""
+    from helpers import free_port
+    from test_trainer_rl import batch_frame, make_samples, run_trainer_process, trainer_config
+
+    run = tmp_path / "run"
+    samples = make_samples(tiny_model, policy_version=0)
+    config = trainer_config(tiny_model, run, free_port(), max_steps=3, ckpt={"interval": 1, "keep_last": 3})
+    with disk_full(run, size="4m", require_mount=True) as reason:
+        code, out = run_trainer_process(tmp_path, config, [batch_frame(step, samples) for step in range(3)])
+        last_line = out.strip().splitlines()[-1]
+        assert code == 1, out
+        assert last_line.startswith(f"[trainer] failed: WriteFailed: cannot write checkpoint {checkpoint_step_dir(run, 2)}: {reason}"), out
+        assert_previous_checkpoint_intact(tiny_model, run, failed_step=2)
+        assert complete_steps(weights_dir(run)) == [1, 2]

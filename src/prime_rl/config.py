@@ -181,8 +181,8 @@ class WeightsConfig(StrictModel):
 class CheckpointConfig(StrictModel):
     """Resumable checkpoints: the trainer's under `checkpoints/step_N/`, the orchestrator's progress under `rollouts/`."""
 
-    interval: int | None = Field(10, ge=1)
-    """Write a checkpoint every this many steps (and after the last step); None = never."""
+    interval: int = Field(10, ge=0)
+    """Write a checkpoint every this many steps (and after the last step); 0 = never (no resume possible)."""
 
     keep_last: int = Field(2, ge=1)
     """How many complete checkpoints to keep; the newest complete one is never deleted."""

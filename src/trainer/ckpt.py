@@ -47,9 +47,9 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be resumed from (missing, incomplete, unreadable)."""
 
 
-def checkpoint_due(steps_done: int, interval: int | None, max_steps: int) -> bool:
-    """A checkpoint after every ``interval`` steps and after the last one."""
-    return interval is not None and (steps_done % interval == 0 or steps_done == max_steps)
+def checkpoint_due(steps_done: int, interval: int, max_steps: int) -> bool:
+    """A checkpoint after every ``interval`` steps and after the last one (none for interval 0)."""
+    return interval > 0 and (steps_done % interval == 0 or steps_done == max_steps)
 
 
 def _rank() -> int:

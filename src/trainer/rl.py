@@ -57,11 +57,13 @@ def train(cfg: TrainerConfig) -> None:
         else Metrics("trainer", [])
     )
     # ---- resume: the state after `start` steps (0 = the initial model)
-    start = 0
+    start, resume_row = 0, {}
     if cfg.ckpt.resume_step is not None:
+        t_load = time.perf_counter()
         start = load_checkpoint(model, optimizer, scheduler, cfg.output_dir, cfg.ckpt.resume_step)
+        resume_row = {"time/load_ckpt": time.perf_counter() - t_load}
         if world.is_main:
-            log(f"resumed from {checkpoint_step_dir(cfg.output_dir, start)}: next step {start}")
+            log(f"resumed from {checkpoint_step_dir(cfg.output_dir, start)} in {resume_row['time/load_ckpt']:.1f} s: next step {start}")
     receiver = BatchReceiver(cfg.transport, world.rank)
     log(f"rank {world.rank}/{world.world_size} on {world.device}: {cfg.model.name}; batches from {receiver.address}")
     nonfinite = 0  # consecutive steps skipped for a non-finite loss or gradient
@@ -90,7 +92,8 @@ def train(cfg: TrainerConfig) -> None:
                 "save_weights": t_save - t_train,
                 "save_ckpt": t_ckpt - t_save,
             }
-            metrics.log(step, {**step_metrics(stats, timings, step), "optim/nonfinite_streak": nonfinite})
+            metrics.log(step, {**step_metrics(stats, timings, step), "optim/nonfinite_streak": nonfinite, **resume_row})
+            resume_row = {}
         if world.is_main:
             log(f"done: {cfg.max_steps} steps, weights in {cfg.output_dir / 'weights'}")
     finally:
