@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 import zmq
@@ -106,9 +107,12 @@ def test_rl_trainer_process_trains_and_publishes_weights(tiny_model, tmp_path):
     config = trainer_config(tiny_model, run, free_port())
     samples = make_samples(tiny_model, policy_version=0)
     t0 = time.monotonic()
+    short_mask = msgspec.structs.replace(samples[0], loss_mask=samples[0].loss_mask[:-1])
     frames = [
         b"\xc1 garbage: 0xc1 is never valid msgpack",
         batch_frame(0, samples, schema_version=SCHEMA_VERSION + 1),
+        batch_frame(5, samples),  # a step the trainer is not at
+        batch_frame(0, [short_mask, *samples[1:]]),  # tensors of inconsistent lengths
         batch_frame(0, samples),
         batch_frame(1, samples),
     ]
@@ -118,8 +122,10 @@ def test_rl_trainer_process_trains_and_publishes_weights(tiny_model, tmp_path):
 
     assert returncode == 0, out
     rejected = [line for line in out.splitlines() if "rejected a message" in line]
-    assert len(rejected) == 2, out
+    assert len(rejected) == 4, out
     assert "not a msgpack train batch" in rejected[0] and "wrong schema version" in rejected[1]
+    assert "batch for step 5 arrived while expecting step 0" in rejected[2]
+    assert "inconsistent lengths" in rejected[3]
 
     assert complete_steps(weights_dir(run)) == [1, 2]
     for step in (1, 2):
@@ -212,6 +218,24 @@ def test_two_fsdp_ranks_match_one_process(tiny_model, tmp_path):
     assert one.keys() == two.keys()
     assert max((one[k] - initial[k]).abs().max().item() for k in one) > 1e-3  # it did train
     assert max((one[k] - two[k]).abs().max().item() for k in one) < 2e-5
+
+    # Each run checkpointed its last step; the 2-rank checkpoint (DCP, sharded over ranks)
+    # loads into one process with the same weights and the same AdamW state.
+    from test_trainer_ckpt import fresh
+    from trainer.ckpt import load_checkpoint
+
+    loaded = {}
+    for name in ("one", "two"):
+        model, optimizer, scheduler = fresh(tiny_model)
+        assert load_checkpoint(model, optimizer, scheduler, tmp_path / name, step=2) == 2
+        loaded[name] = (model.state_dict(), optimizer.state_dict()["state"])
+    weights = loaded["two"][0]
+    assert max((weights[k] - two[k]).abs().max().item() for k in two) == 0.0
+    moments_one, moments_two = loaded["one"][1], loaded["two"][1]
+    assert moments_one.keys() == moments_two.keys() and len(moments_one) > 0
+    for key in moments_one:
+        assert moments_one[key]["step"] == moments_two[key]["step"] == 2
+        torch.testing.assert_close(moments_two[key]["exp_avg"], moments_one[key]["exp_avg"], atol=2e-5, rtol=1e-3)
 
 
 def run_trainer(model_dir: Path, run: Path, world: int, splits: list, samples: list) -> dict:
