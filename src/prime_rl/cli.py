@@ -12,7 +12,6 @@ process is written to RUN/configs/ and is what that process reads.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -30,6 +29,7 @@ from prime_rl.rundir import (
     rollouts_dir,
     weights_dir,
     weights_step_dir,
+    write_json_atomic,
 )
 from prime_rl.settings import ConfigError, help_text, load_config, split_argv
 
@@ -131,7 +131,10 @@ def checked_model_path(name: str, field: str) -> None:
 
 def prepare_run_dir(run_dir: Path, clean: bool, dry_run: bool) -> None:
     """Refuse to mix two runs in one directory unless asked to start over."""
-    state = (weights_dir(run_dir), checkpoints_dir(run_dir), rollouts_dir(run_dir), metrics_path(run_dir), logs_dir(run_dir))
+    state = (
+        weights_dir(run_dir), checkpoints_dir(run_dir), rollouts_dir(run_dir), metrics_path(run_dir), logs_dir(run_dir),
+        run_dir / "wandb",  # W&B run ids: a fresh run starts fresh W&B runs
+    )
     leftovers = [p for p in state if p.exists()]
     if leftovers and not dry_run:
         if not clean:
@@ -151,9 +154,7 @@ def write_process_configs(config: RLConfig, run_dir: Path) -> None:
     for name in ("inference", "orchestrator", "trainer"):
         path = config_path(run_dir, name)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(getattr(config, name).model_dump_json(indent=2) + "\n")
-        os.replace(tmp, path)
+        write_json_atomic(path, getattr(config, name).model_dump(mode="json"))
 
 
 def process_specs(config: RLConfig, run_dir: Path) -> list[ProcessSpec]:
@@ -189,7 +190,7 @@ def sft(argv: list[str]) -> int:
     out = Path(config.output_dir)
     resolved = out / "configs" / "sft.json"
     resolved.parent.mkdir(parents=True, exist_ok=True)
-    resolved.write_text(json.dumps(config.model_dump(mode="json"), indent=2) + "\n")
+    write_json_atomic(resolved, config.model_dump(mode="json"))
     cmd = [sys.executable, "-m", "trainer.sft", "--config", str(resolved)]
     try:
         return subprocess.call(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})

@@ -60,17 +60,27 @@ class ConsoleSink:
 
 
 class WandbSink:
-    def __init__(self, config: WandbConfig, process: str, run_name: str, settings: dict[str, Any]):
+    """One W&B run per process. Its id is kept in ``RUN/wandb/<process>.id``, so a resumed
+    run (``prime-rl --resume``) goes on logging into the same W&B run."""
+
+    def __init__(self, config: WandbConfig, process: str, run_dir: Path, settings: dict[str, Any]):
         import wandb  # optional dependency: only imported when configured
 
+        id_file = Path(run_dir) / "wandb" / f"{process}.id"
+        run_id = id_file.read_text().strip() if id_file.is_file() else None
         self.run = wandb.init(
             project=config.project,
             entity=config.entity,
-            name=f"{config.name or run_name}-{process}",
+            name=f"{config.name or Path(run_dir).name}-{process}",
             mode=config.mode,
             config=settings,
+            id=run_id,
+            resume="allow" if run_id else None,
             reinit=True,
         )
+        if run_id is None:
+            id_file.parent.mkdir(parents=True, exist_ok=True)
+            id_file.write_text(f"{self.run.id}\n")
 
     def log(self, row: dict[str, Any]) -> None:
         self.run.log({k: v for k, v in row.items() if isinstance(v, int | float)}, step=row.get("step"))
@@ -114,7 +124,7 @@ def make_metrics(
     sinks: list[Sink] = [JsonlSink(metrics_path(run_dir)), ConsoleSink(process, console_keys)]
     if wandb is not None and wandb.mode != "disabled":
         try:
-            sinks.append(WandbSink(wandb, process, Path(run_dir).name, settings or {}))
+            sinks.append(WandbSink(wandb, process, run_dir, settings or {}))
         except Exception as e:  # noqa: BLE001 - W&B is never needed
             print(f"[{process}] W&B disabled: {e}", file=sys.stderr)
     return Metrics(process, sinks)
