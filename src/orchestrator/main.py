@@ -10,6 +10,9 @@ Per step n (0..max_steps-1), top to bottom:
   (d) advantages within each example's group of rollouts;
   (e) pack one batch per trainer rank and send it;
   (f) log a metrics row.
+Each batch is recorded in `rollouts/step_n/` before it is sent (`orchestrator.progress`),
+so a resume from a trainer checkpoint re-sends what was sampled but not yet trained on
+and samples on from the recorded data cursor.
 Versions count optimizer steps: 0 is the initial model and `weights/step_K` holds the
 weights after K steps (the trainer writes it after training on batch K-1), so the trainer
 trains step n with version n and a sample's staleness n - version is its true off-policy
@@ -27,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 from prime_rl.config import OrchestratorConfig
-from prime_rl.metrics import make_metrics
+from prime_rl.metrics import Metrics, make_metrics
 from prime_rl.rundir import MARKER, latest_weights_step, weights_dir, weights_step_dir
 from prime_rl.settings import ConfigError, help_text, process_config
 from prime_rl.wire import encode_batch
@@ -170,15 +173,7 @@ async def run(cfg: OrchestratorConfig, envs: list[Environment]) -> None:
         sender = BatchSender(cfg.transport, cfg.num_trainer_ranks)  # bind early so trainer ranks can connect
         start, version = 0, 0  # a fresh run: step 0, the initial model
         if cfg.ckpt.resume_step is not None:
-            # Resume: inference serves weights/step_N; re-send what was sampled but not trained on.
-            plan = plan_resume(cfg.output_dir, cfg.ckpt.resume_step, data, cfg.num_trainer_ranks)
-            order.load_state_dict({"cursor": plan.cursor})
-            start, version = plan.next_step, cfg.ckpt.resume_step
-            for record in plan.replay:
-                for rank, frame in enumerate(record.frames):
-                    sender.send_frame(rank, record.step, frame)
-                metrics.log(record.step, {**record.metrics, "resume/replayed": 1})
-            log(f"resumed at checkpoint step {cfg.ckpt.resume_step}: re-sent {len(plan.replay)} recorded batches, sampling from step {start}")
+            start, version = resume(cfg, data, order, sender, metrics)
         await client.wait_healthy(cfg.client.startup_timeout_s)
         for step in range(start, cfg.max_steps):
             step_start = time.perf_counter()
@@ -225,6 +220,21 @@ async def run(cfg: OrchestratorConfig, envs: list[Environment]) -> None:
             sender.close(flush=delivered)
         await client.close()
         metrics.close()
+
+
+def resume(cfg: OrchestratorConfig, data: dict, order: ExampleOrder, sender: BatchSender, metrics: Metrics) -> tuple[int, int]:
+    """Continue after trainer checkpoint N: re-send the recorded batches sampled but not yet
+    trained on (with their metrics rows) and restore the data cursor. Inference serves
+    weights/step_N. Returns (first step to sample, policy version inference serves)."""
+    step = cfg.ckpt.resume_step
+    plan = plan_resume(cfg.output_dir, step, data, cfg.num_trainer_ranks)
+    order.load_state_dict({"cursor": plan.cursor})
+    for record in plan.replay:
+        for rank, frame in enumerate(record.frames):
+            sender.send_frame(rank, record.step, frame)
+        metrics.log(record.step, {**record.metrics, "resume/replayed": 1})
+    log(f"resumed at checkpoint step {step}: re-sent {len(plan.replay)} recorded batches, sampling from step {plan.next_step}")
+    return plan.next_step, step
 
 
 def log(msg: str) -> None:

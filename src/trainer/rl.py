@@ -5,8 +5,10 @@
 
 Policy versions count optimizer steps: the initial model is version 0, and step n
 (numbered from 0) trains version n on step n's batch and publishes ``weights/step_{n+1}``
-(version n + 1). A sample's staleness, n - its policy version, is its off-policy gap. The trainer knows only the wire contract and the run
-directory layout, never the orchestrator or the inference server.
+(version n + 1). A sample's staleness, n - its policy version, is its off-policy gap.
+Every ``ckpt.interval`` steps it writes a resumable checkpoint (``trainer.ckpt``); with
+``ckpt.resume_step`` N it starts from checkpoint N at step N. The trainer knows only the
+wire contract and the run directory layout, never the orchestrator or the inference server.
 """
 
 from __future__ import annotations
