@@ -25,9 +25,9 @@ from prime_rl.config import ClientConfig
 # /reset_prefix_cache answers 200 with {"success": false} while KV blocks are still held;
 # vLLM's docs say to retry. After /pause?mode=wait nothing runs, so a few tries suffice.
 _RESET_RETRIES = 20
+_RESET_RETRY_S = 0.05
 # Server-side errors worth another try: overloaded, restarting, or behind a failing proxy.
 TRANSIENT_STATUS = frozenset({500, 502, 503, 504})
-_RESET_RETRY_S = 0.05
 
 
 class InferenceError(RuntimeError):

@@ -162,9 +162,10 @@ def step_metrics(
 
 
 async def run(cfg: OrchestratorConfig, envs: list[Environment]) -> None:
-    order = ExampleOrder([len(env.dataset) for env in envs], seed=cfg.seed)
+    sizes = [len(env.dataset) for env in envs]
+    order = ExampleOrder(sizes, seed=cfg.seed)
     examples_per_step = cfg.batch_size // cfg.rollouts_per_example
-    data = {"seed": cfg.seed, "dataset_sizes": [len(env.dataset) for env in envs], "examples_per_step": examples_per_step}
+    data = {"seed": cfg.seed, "dataset_sizes": sizes, "examples_per_step": examples_per_step}
     record_progress = cfg.ckpt.interval > 0
     metrics = make_metrics("orchestrator", cfg.output_dir, CONSOLE_KEYS, cfg.wandb, cfg.model_dump(mode="json"))
     client = InferenceClient(cfg.client, cfg.model)

@@ -25,16 +25,14 @@ from pathlib import Path
 
 from prime_rl.rundir import (
     MARKER,
-    begin_step_dir,
     checkpoints_dir,
     complete_steps,
-    finish_step_dir,
     remove_step_dir,
     rollouts_dir,
     rollouts_step_dir,
     step_dirs,
-    write_failed,
     write_json_atomic,
+    write_step_dir,
 )
 
 PROGRESS_FILE = "progress.json"
@@ -71,16 +69,13 @@ class StepRecord:
 
 def save_record(run_dir: Path, record: StepRecord) -> Path:
     """Write ``rollouts/step_n`` (marker last); a failed write raises ``WriteFailed`` naming it."""
-    parent = rollouts_dir(run_dir)
-    try:
-        tmp = begin_step_dir(parent, record.step)
+
+    def fill(tmp: Path) -> None:
         for rank, frame in enumerate(record.frames):
             (tmp / f"rank_{rank}.msgpack").write_bytes(frame)
         write_json_atomic(tmp / PROGRESS_FILE, record.meta())
-        return finish_step_dir(tmp, record.step)
-    except OSError as e:
-        remove_step_dir(parent, record.step)
-        raise write_failed("rollouts", rollouts_step_dir(run_dir, record.step), e) from e
+
+    return write_step_dir(rollouts_dir(run_dir), record.step, "rollouts", fill)
 
 
 def load_record(run_dir: Path, step: int) -> StepRecord | None:
@@ -124,8 +119,6 @@ def plan_resume(run_dir: Path, resume_step: int, data: dict, num_ranks: int) -> 
         cursor = record.cursor_before
     elif replay:
         cursor = replay[-1].cursor_after
-    elif resume_step == 0:
-        cursor = 0
     elif (previous := load_record(run_dir, resume_step - 1)) is not None:
         check_compatible(previous, data, num_ranks, run_dir)
         cursor = previous.cursor_after

@@ -13,6 +13,7 @@ decides itself which of its recorded batches it re-sends (`orchestrator.progress
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -23,10 +24,10 @@ from prime_rl.rundir import (
     checkpoints_dir,
     complete_steps,
     metrics_path,
-    read_jsonl,
     remove_step_dir,
     rollouts_dir,
     step_dirs,
+    tmp_step_dir,
     weights_dir,
     weights_step_dir,
 )
@@ -81,7 +82,7 @@ def rewind(run_dir: Path, step: int) -> list[str]:
             if later > step or later not in complete:
                 remove_step_dir(parent, later)
                 removed.append(f"{parent.name}/step_{later}{'' if later in complete else ' (incomplete)'}")
-            elif (leftover := parent / f"step_{later}.tmp").exists():  # a half-written twin of a kept step
+            elif (leftover := tmp_step_dir(parent, later)).exists():  # a half-written twin of a kept step
                 shutil.rmtree(leftover, ignore_errors=True)
                 removed.append(f"{parent.name}/{leftover.name}")
     dropped = drop_metrics_from(metrics_path(run_dir), step)
@@ -92,15 +93,13 @@ def rewind(run_dir: Path, step: int) -> list[str]:
 
 def drop_metrics_from(path: Path, step: int) -> int:
     """Rewrite metrics.jsonl without rows of steps >= ``step`` (temp file + rename); returns how many."""
-    rows = read_jsonl(path)
-    kept = [line for line, row in zip(_lines(path), rows) if row.get("step", -1) < step]
-    if len(kept) == len(rows):
+    if not path.exists():
+        return 0
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    kept = [line for line in lines if json.loads(line).get("step", -1) < step]
+    if len(kept) == len(lines):
         return 0
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("".join(line + "\n" for line in kept))
     os.replace(tmp, path)
-    return len(rows) - len(kept)
-
-
-def _lines(path: Path) -> list[str]:
-    return [line for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    return len(lines) - len(kept)

@@ -19,6 +19,7 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 MARKER = "STABLE"
@@ -51,7 +52,7 @@ def weights_dir(run: Path) -> Path:
 
 
 def weights_step_dir(run: Path, step: int) -> Path:
-    return weights_dir(run) / f"step_{step}"
+    return step_dir(weights_dir(run), step)
 
 
 def checkpoints_dir(run: Path) -> Path:
@@ -59,7 +60,7 @@ def checkpoints_dir(run: Path) -> Path:
 
 
 def checkpoint_step_dir(run: Path, step: int) -> Path:
-    return checkpoints_dir(run) / f"step_{step}"
+    return step_dir(checkpoints_dir(run), step)
 
 
 def rollouts_dir(run: Path) -> Path:
@@ -67,7 +68,17 @@ def rollouts_dir(run: Path) -> Path:
 
 
 def rollouts_step_dir(run: Path, step: int) -> Path:
-    return rollouts_dir(run) / f"step_{step}"
+    return step_dir(rollouts_dir(run), step)
+
+
+def step_dir(parent: Path, step: int) -> Path:
+    """``parent/step_N``: complete once it holds the marker."""
+    return Path(parent) / f"step_{step}"
+
+
+def tmp_step_dir(parent: Path, step: int) -> Path:
+    """``parent/step_N.tmp``: where step N is filled before the rename."""
+    return Path(parent) / f"step_{step}.tmp"
 
 
 def complete_steps(parent: Path) -> list[int]:
@@ -90,7 +101,7 @@ def latest_weights_step(run: Path) -> int | None:
 
 def begin_step_dir(parent: Path, step: int) -> Path:
     """A fresh temporary directory to fill before ``finish_step_dir``."""
-    tmp = Path(parent) / f"step_{step}.tmp"
+    tmp = tmp_step_dir(parent, step)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     return tmp
@@ -98,7 +109,7 @@ def begin_step_dir(parent: Path, step: int) -> Path:
 
 def finish_step_dir(tmp: Path, step: int) -> Path:
     """Rename ``step_N.tmp`` to ``step_N`` and write the marker last."""
-    final = tmp.parent / f"step_{step}"
+    final = step_dir(tmp.parent, step)
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     marker = final / MARKER
@@ -109,9 +120,20 @@ def finish_step_dir(tmp: Path, step: int) -> Path:
     return final
 
 
-def latest_checkpoint_step(run: Path) -> int | None:
-    steps = complete_steps(checkpoints_dir(run))
-    return steps[-1] if steps else None
+def write_step_dir(parent: Path, step: int, what: str, fill: Callable[[Path], None]) -> Path:
+    """Write ``parent/step_N`` in one go: ``fill(tmp)`` fills ``step_N.tmp``, then the rename
+    and the marker. A write that fails (disk full, permission denied) removes the partial
+    folder, leaves every complete step as it was and raises ``WriteFailed`` naming step_N."""
+    try:
+        tmp = begin_step_dir(parent, step)
+        fill(tmp)
+        return finish_step_dir(tmp, step)
+    except OSError as e:
+        shutil.rmtree(tmp_step_dir(parent, step), ignore_errors=True)
+        final = step_dir(parent, step)
+        if final.is_dir() and not (final / MARKER).exists():  # renamed, but the marker failed
+            shutil.rmtree(final, ignore_errors=True)
+        raise write_failed(what, step_dir(parent, step), e) from e
 
 
 def prune_step_dirs(parent: Path, keep_last: int, protect: set[int] = frozenset()) -> None:
@@ -123,13 +145,13 @@ def prune_step_dirs(parent: Path, keep_last: int, protect: set[int] = frozenset(
 
 def remove_step_dir(parent: Path, step: int) -> None:
     """Delete ``step_N`` (marker first, so no reader sees a half-deleted complete step) and ``step_N.tmp``."""
-    victim = Path(parent) / f"step_{step}"
+    victim = step_dir(parent, step)
     try:
         (victim / MARKER).unlink(missing_ok=True)
     except OSError:  # not a directory, or not ours to delete: nothing half-deleted to hide
         pass
     shutil.rmtree(victim, ignore_errors=True)
-    shutil.rmtree(Path(parent) / f"step_{step}.tmp", ignore_errors=True)
+    shutil.rmtree(tmp_step_dir(parent, step), ignore_errors=True)
 
 
 def step_dirs(parent: Path) -> list[int]:

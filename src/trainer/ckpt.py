@@ -38,6 +38,7 @@ from prime_rl.rundir import (
     complete_steps,
     finish_step_dir,
     prune_step_dirs,
+    tmp_step_dir,
     write_failed,
     write_json_atomic,
 )
@@ -96,7 +97,7 @@ def save_checkpoint(
     complete checkpoint as it was and raises ``WriteFailed`` naming the folder.
     """
     parent = checkpoints_dir(run_dir)
-    tmp = parent / f"step_{step}.tmp"
+    tmp = tmp_step_dir(parent, step)
     final = checkpoint_step_dir(run_dir, step)
     rank = _rank()
     try:

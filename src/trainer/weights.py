@@ -18,7 +18,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 from torch import nn
 
-from prime_rl.rundir import begin_step_dir, checkpoints_dir, complete_steps, finish_step_dir, prune_step_dirs, weights_dir, write_failed
+from prime_rl.rundir import checkpoints_dir, complete_steps, prune_step_dirs, weights_dir, write_step_dir
 
 # Non-weight files of an HF model folder worth carrying along (small; tokenizer + template).
 TOKENIZER_FILES = (
@@ -107,13 +107,7 @@ def save_weights(
     if dist.is_initialized() and dist.get_rank() != 0:
         return None
     parent = weights_dir(run_dir)
-    try:
-        tmp = begin_step_dir(parent, step)
-        write_hf_folder(model, state, tmp, source_model_dir)
-        final = finish_step_dir(tmp, step)
-    except OSError as e:
-        shutil.rmtree(parent / f"step_{step}.tmp", ignore_errors=True)
-        raise write_failed("weights", parent / f"step_{step}", e) from e
+    final = write_step_dir(parent, step, "weights", lambda tmp: write_hf_folder(model, state, tmp, source_model_dir))
     # A resumed run starts inference on the weights of its checkpoint's step: keep those.
     prune_step_dirs(parent, keep_last, protect=set(complete_steps(checkpoints_dir(run_dir))))
     return final
