@@ -51,11 +51,11 @@ def test_flat_hosted_form_is_accepted_and_fills_sections(tmp_path):
 
 
 def test_unknown_environment_names_known_ids(tmp_path):
-    text = FLAT_FORM.replace("primeintellect/reverse-text", "primeintellect/alphabet-sort")
+    text = FLAT_FORM.replace("primeintellect/reverse-text", "primeintellect/alphabet-sorter")
     with pytest.raises(ConfigError) as e:
         load_config(RLConfig, [write(tmp_path, text)], [])
     msg = str(e.value)
-    assert "alphabet-sort" in msg and all(k in msg for k in KNOWN_ENVIRONMENTS)
+    assert "alphabet-sorter" in msg and all(k in msg for k in KNOWN_ENVIRONMENTS) and "uv pip install -e" in msg
     assert len(msg.splitlines()) == 1
 
 

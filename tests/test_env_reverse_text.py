@@ -9,11 +9,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from prime_rl.config import KNOWN_ENVIRONMENTS, EnvConfig, SamplingConfig
+from prime_rl.config import KNOWN_ENVIRONMENTS, EnvConfig
+from prime_rl.envs import ModelReply, Turn
 
-from orchestrator.client import ChatResult
 from orchestrator.envs import REGISTRY, load_env
-from orchestrator.envs.reverse_text import SYSTEM_PROMPT, ReverseTextEnv, lcs_length, lcs_ratio
+from orchestrator.envs.reverse_text import SYSTEM_PROMPT, XML_SYSTEM_PROMPT, lcs_length, lcs_ratio, load_environment
 
 
 @pytest.mark.parametrize(
@@ -41,17 +41,43 @@ def test_lcs_ratio(a, b, expected):
     assert lcs_ratio(a, b) == pytest.approx(expected)
 
 
-def test_score_strips_the_answer():
-    env = ReverseTextEnv(num_examples=1)
+class ScriptedClient:
+    """A ModelClient that answers with fixed texts and tokens; records what it was asked."""
+
+    def __init__(self, *texts):
+        self.texts, self.asked = list(texts), []
+
+    async def reply(self, messages, context, n=1):
+        self.asked.append((list(messages), list(context), n))
+        text = self.texts.pop(0)
+        return [ModelReply(text, "stop", Turn([1, 2, 3], [4, 5], [-0.5, -1.0])) for _ in range(n)]
+
+
+def score(env, example, text):
+    return asyncio.run(env.rollout(ScriptedClient(text), example)).reward
+
+
+def test_reward_is_the_lcs_ratio_of_the_stripped_answer():
+    env = load_environment(num_examples=1)
     example = env.dataset[0]
-    assert env.score(example, f"  {example.answer}\n") == 1.0
-    assert env.score(example, "") == 0.0
+    assert score(env, example, f"  {example.answer}\n") == 1.0
+    assert score(env, example, "") == 0.0
+    assert score(env, example, example.answer[:-1]) == pytest.approx(lcs_ratio(example.answer[:-1], example.answer))
+
+
+def test_xml_answer_format_reads_the_tag():
+    env = load_environment(num_examples=1, answer_format="xml")
+    example = env.dataset[0]
+    assert example.prompt[0] == {"role": "system", "content": XML_SYSTEM_PROMPT}
+    rollout = asyncio.run(env.rollout(ScriptedClient(f"<reversed_text>\n{example.answer}\n</reversed_text>"), example))
+    assert rollout.reward == 1.0 and rollout.metrics["format_reward"] == 1.0
+    assert score(env, example, example.answer) == 0.0  # no tag, no answer
 
 
 def test_dataset_is_deterministic_and_well_formed():
-    a, b = ReverseTextEnv(num_examples=200), ReverseTextEnv(num_examples=200)
+    a, b = load_environment(num_examples=200), load_environment(num_examples=200)
     assert a.dataset == b.dataset
-    assert ReverseTextEnv(num_examples=200, seed=1).dataset != a.dataset
+    assert load_environment(num_examples=200, seed=1).dataset != a.dataset
     for i, example in enumerate(a.dataset):
         system, user = example.prompt
         assert example.id == i
@@ -60,11 +86,13 @@ def test_dataset_is_deterministic_and_well_formed():
         assert set(user["content"]) <= set(string.ascii_lowercase)
         assert example.answer == user["content"][::-1]
     assert {len(e.answer) for e in a.dataset} == set(range(3, 9))  # every length occurs in 200 draws
+    held_out = {e.answer for e in a.eval_examples()}
+    assert len(a.eval_examples()) == 100 and held_out != {e.answer for e in a.dataset[:100]}
 
 
 def test_bad_lengths_fail_clearly():
     with pytest.raises(ValueError, match="min_len"):
-        ReverseTextEnv(min_len=5, max_len=2)
+        load_environment(min_len=5, max_len=2)
 
 
 def test_registry_matches_the_contracts():
@@ -84,41 +112,30 @@ def test_load_env_bad_args_names_the_environment():
 
 def test_load_env_user_module(tmp_path, monkeypatch):
     (tmp_path / "my_echo_env.py").write_text(
-        "from orchestrator.envs import Example, SingleTurnEnv\n"
-        "class Echo(SingleTurnEnv):\n"
-        "    def __init__(self, n):\n"
-        "        self.dataset = [Example(i, [{'role': 'user', 'content': str(i)}], str(i)) for i in range(n)]\n"
-        "    def score(self, example, text):\n"
-        "        return float(text == example.answer)\n"
+        "from prime_rl.envs import Rubric, SingleTurnEnv\n"
+        "def exact(completion, answer):\n"
+        "    return float(completion[-1]['content'] == answer)\n"
         "def load_environment(n=3):\n"
-        "    return Echo(n)\n"
+        "    rows = [{'question': str(i), 'answer': str(i)} for i in range(n)]\n"
+        "    return SingleTurnEnv(dataset=rows, rubric=Rubric([exact]))\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
-    env = load_env(EnvConfig(id="my_echo_env", args={"n": 4}))
+    env = load_env(EnvConfig(id="my-echo-env", args={"n": 4}))  # dashes name the module my_echo_env
     assert [e.answer for e in env.dataset] == ["0", "1", "2", "3"]
 
 
-class StubClient:
-    """Answers every chat with fixed tokens; records what it was asked."""
-
-    def __init__(self, text):
-        self.text, self.asked = text, []
-
-    async def chat_n(self, messages, *, n, max_tokens, temperature):
-        self.asked.append((messages, max_tokens, temperature))
-        return [ChatResult([1, 2, 3], [4, 5], [-0.5, -1.0], self.text, "stop") for _ in range(n)]
-
-
 def test_single_turn_rollout_returns_tokens_and_reward():
-    env = ReverseTextEnv(num_examples=1)
+    env = load_environment(num_examples=1)
     example = env.dataset[0]
-    client = StubClient(example.answer)
-    rollout = asyncio.run(env.rollout(client, example, SamplingConfig(max_tokens=16, temperature=0.7)))
-    assert client.asked == [(example.prompt, 16, 0.7)]
+    client = ScriptedClient(example.answer)
+    rollout = asyncio.run(env.rollout(client, example))
+    assert client.asked == [(example.prompt, [], 1)]
     assert rollout.reward == 1.0 and rollout.example_id == 0 and rollout.finish_reason == "stop"
+    assert rollout.stop_condition == "max_turns" and rollout.metrics == {"lcs_reward": 1.0}
     (turn,) = rollout.turns
     assert (turn.prompt_ids, turn.completion_ids, turn.completion_logprobs) == ([1, 2, 3], [4, 5], [-0.5, -1.0])
     assert rollout.completion_tokens == 2 and rollout.total_tokens == 5
+    assert rollout.completion == [{"role": "assistant", "content": example.answer}]
 
 
 def test_make_sft_data_script(tmp_path):
@@ -132,7 +149,7 @@ def test_make_sft_data_script(tmp_path):
     )
     chats = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(chats) == 5
-    rl = ReverseTextEnv(num_examples=5, seed=1).dataset  # the script's default seed is 1
+    rl = load_environment(num_examples=5, seed=1).dataset  # the script's default seed is 1
     for chat, example in zip(chats, rl, strict=True):
         system, user, assistant = chat["messages"]
         assert system == {"role": "system", "content": SYSTEM_PROMPT}

@@ -87,12 +87,13 @@ def test_config_errors_exit_2(tmp_path, capsys):
     assert "bogus" in capsys.readouterr().err
 
 
-def test_two_steps_end_to_end(tmp_path):
+def test_two_steps_end_to_end(tmp_path, tiny_model):
     """async_level=0 (on-policy): step 0 uses the initial model; step 1 must wait for
     weights/step_1, which this test (the trainer) writes only after receiving step 0's batch."""
     port = free_port()
     config = {
-        "model": "tiny",
+        "model": str(tiny_model),
+        "preflight": {"enabled": False},
         "env": [{"id": "reverse-text", "args": {"num_examples": 50}}],
         "sampling": {"max_tokens": 16, "temperature": 0.8},
         "client": {"timeout_s": 10},
@@ -172,9 +173,10 @@ def test_two_steps_end_to_end(tmp_path):
         assert key in rows[1], key
 
 
-def run_main_in_process(tmp_path, server, capsys, **overrides):
+def run_main_in_process(tmp_path, server, capsys, model, **overrides):
     flags = {
-        "model": "tiny",
+        "model": str(model),
+        "preflight.enabled": "false",
         "client.base-url": server.url,
         "transport.port": str(free_port()),
         "transport.timeout-s": "0.3",
@@ -189,15 +191,15 @@ def run_main_in_process(tmp_path, server, capsys, **overrides):
     return code, capsys.readouterr().err
 
 
-def test_missing_trainer_exits_1_with_a_message(tmp_path, capsys):
+def test_missing_trainer_exits_1_with_a_message(tmp_path, capsys, tiny_model):
     with FakeInferenceServer() as server:
-        code, err = run_main_in_process(tmp_path, server, capsys)
+        code, err = run_main_in_process(tmp_path, server, capsys, tiny_model)
     assert code == 1
     assert "trainer rank 0 did not take the batch for step 0" in err and "Traceback" not in err
 
 
-def test_failing_inference_exits_1_with_one_message(tmp_path, capsys):
-    with FakeInferenceServer(fail={"/v1/chat/completions": 500}) as server:
-        code, err = run_main_in_process(tmp_path, server, capsys)
+def test_failing_inference_exits_1_with_one_message(tmp_path, capsys, tiny_model):
+    with FakeInferenceServer(fail={"/v1/completions": 500}) as server:
+        code, err = run_main_in_process(tmp_path, server, capsys, tiny_model)
     assert code == 1
-    assert err.count("/v1/chat/completions answered status 500") == 1  # 4 failed rollouts, one line
+    assert err.count("/v1/completions answered status 500") == 1  # 4 failed rollouts, one line

@@ -5,9 +5,14 @@ A sample's tokens are its turns' ``prompt_ids + completion_ids`` concatenated in
 carries the sampler's logprob there (0 elsewhere). Samples longer than ``seq_len`` are
 cut at ``seq_len``, all three buffers alike.
 
-Every rank gets the same number of samples (a contiguous slice, so groups mostly stay
-together), then micro-batches of ``micro_batch_size``; the last one of a rank may be
-smaller. Equal counts keep FSDP ranks in lockstep (same number of forward passes).
+With ``per_turn`` (chat templates that rewrite earlier turns), every turn is a sample of
+its own: its prompt (the whole conversation so far, as rendered) and its completion, with
+the rollout's advantage.
+
+Every rank gets a contiguous slice of the samples (so groups mostly stay together), as
+equal as the count allows, then micro-batches of ``micro_batch_size``; the last one of a
+rank may be smaller. A rank with fewer micro-batches joins the others' passes with empty
+ones (the trainer keeps FSDP ranks in lockstep).
 """
 
 from __future__ import annotations
@@ -16,9 +21,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+from prime_rl.envs import Rollout, Turn
 from prime_rl.wire import SCHEMA_VERSION, MicroBatch, Sample, TrainBatch, make_sample
-
-from orchestrator.envs.base import Rollout
 
 
 @dataclass(frozen=True)
@@ -28,13 +32,17 @@ class ScoredRollout:
     policy_version: int
     """Weights step the rollout was sampled with (0 = the initial model)."""
 
+    env: str = ""
+    """Name of the environment it came from (for metrics)."""
 
-def rollout_tokens(rollout: Rollout) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(input_ids int32 [T], loss_mask uint8 [T], inference_logprobs float32 [T]), untruncated."""
+
+def rollout_tokens(rollout: Rollout, turns: list[Turn] | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(input_ids int32 [T], loss_mask uint8 [T], inference_logprobs float32 [T]) of the
+    rollout's turns (or of ``turns``) in order, untruncated."""
     ids: list[int] = []
     mask: list[int] = []
     logprobs: list[float] = []
-    for turn in rollout.turns:
+    for turn in rollout.turns if turns is None else turns:
         if len(turn.completion_ids) != len(turn.completion_logprobs):
             raise ValueError(
                 f"example {rollout.example_id}: a turn has {len(turn.completion_ids)} completion ids "
@@ -46,8 +54,17 @@ def rollout_tokens(rollout: Rollout) -> tuple[np.ndarray, np.ndarray, np.ndarray
     return np.asarray(ids, np.int32), np.asarray(mask, np.uint8), np.asarray(logprobs, np.float32)
 
 
-def to_sample(scored: ScoredRollout, seq_len: int) -> Sample:
-    ids, mask, logprobs = rollout_tokens(scored.rollout)
+def to_samples(scored: ScoredRollout, seq_len: int, per_turn: bool = False) -> list[Sample]:
+    """One sample for the rollout, or one per turn with ``per_turn``."""
+    if not scored.rollout.turns:
+        raise ValueError(f"example {scored.rollout.example_id}: a rollout without tokens cannot be trained on")
+    if not per_turn:
+        return [to_sample(scored, seq_len)]
+    return [to_sample(scored, seq_len, [turn]) for turn in scored.rollout.turns]
+
+
+def to_sample(scored: ScoredRollout, seq_len: int, turns: list[Turn] | None = None) -> Sample:
+    ids, mask, logprobs = rollout_tokens(scored.rollout, turns)
     if min(len(ids), seq_len) < 2:  # the trainer predicts token t+1 from t: one token teaches nothing
         raise ValueError(f"example {scored.rollout.example_id}: a sample needs at least 2 tokens, got {len(ids)}")
     return make_sample(
@@ -69,18 +86,19 @@ def pack_batches(
     micro_batch_size: int,
     temperature: float,
     seq_len: int,
+    per_turn: bool = False,
 ) -> list[TrainBatch]:
     """One ``TrainBatch`` per rank (index = rank), in the order of ``items``."""
     if num_ranks < 1 or micro_batch_size < 1:
         raise ValueError(f"num_ranks ({num_ranks}) and micro_batch_size ({micro_batch_size}) must be >= 1")
-    if not items or len(items) % num_ranks:
-        raise ValueError(f"{len(items)} samples do not split evenly over {num_ranks} trainer ranks")
-    samples = [to_sample(item, seq_len) for item in items]
-    per_rank = len(samples) // num_ranks
+    samples = [sample for item in items for sample in to_samples(item, seq_len, per_turn)]
+    if len(samples) < num_ranks:
+        raise ValueError(f"{len(samples)} samples cannot feed {num_ranks} trainer ranks")
+    bounds = np.linspace(0, len(samples), num_ranks + 1).round().astype(int)  # contiguous, near-equal slices
     batches = []
     for rank in range(num_ranks):
-        mine = samples[rank * per_rank : (rank + 1) * per_rank]
-        micro = [MicroBatch(mine[i : i + micro_batch_size]) for i in range(0, per_rank, micro_batch_size)]
+        mine = samples[bounds[rank] : bounds[rank + 1]]
+        micro = [MicroBatch(mine[i : i + micro_batch_size]) for i in range(0, len(mine), micro_batch_size)]
         batches.append(
             TrainBatch(
                 schema_version=SCHEMA_VERSION, step=step, rank=rank, temperature=temperature, micro_batches=micro

@@ -1,11 +1,14 @@
-"""Inference client: chat completions with exact token ids and logprobs, plus the admin
-calls of a vLLM server (health, weight reload).
+"""Inference client: completions of token-id prompts with exact token ids and logprobs,
+chat completions for text-only endpoints, and the admin calls of a vLLM server (health,
+weight reload).
 
-Speaks plain HTTP (httpx) to vLLM's OpenAI-compatible server. vLLM-specific request
-fields: ``return_token_ids`` makes it return ``prompt_token_ids`` (top level) and
-``choices[i].token_ids``; ``logprobs: true`` gives ``choices[i].logprobs.content[j].logprob``
-(-9999.0 stands for -inf). No per-request ``seed``: it can crash the CPU engine
-(MACHINE_FACTS).
+Speaks plain HTTP (httpx) to vLLM's OpenAI-compatible server. Training samples through
+``/v1/completions`` with the prompt as token ids (the orchestrator renders chats itself,
+``prime_rl.chat``, so vLLM never re-tokenizes text and a multi-turn prompt extends the
+exact tokens of the turns before it). vLLM-specific request fields: ``return_token_ids``
+makes it return ``choices[i].prompt_token_ids`` and ``choices[i].token_ids``;
+``logprobs: 0`` gives the sampled tokens' ``choices[i].logprobs.token_logprobs``. No
+per-request ``seed``: it can crash the CPU engine (MACHINE_FACTS).
 
 The client knows nothing about environments, steps or the run directory.
 """
@@ -92,6 +95,26 @@ class InferenceClient:
         async with self._slots:
             response = await self._post("/v1/chat/completions", json=body)
         results = parse_chat_choices(response.json())
+        if len(results) != n:
+            raise InferenceError(f"asked for {n} choices, the server returned {len(results)}")
+        return results
+
+    async def complete_n(
+        self, prompt_ids: list[int], *, n: int, max_tokens: int, temperature: float
+    ) -> list[ChatResult]:
+        """``n`` samples continuing the token-id prompt ``prompt_ids`` (one request)."""
+        body = {
+            "model": self.model_name,
+            "prompt": list(prompt_ids),
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+            "logprobs": 0,
+            "return_token_ids": True,
+            "n": n,
+        }
+        async with self._slots:
+            response = await self._post("/v1/completions", json=body)
+        results = parse_completion_choices(response.json(), list(prompt_ids))
         if len(results) != n:
             raise InferenceError(f"asked for {n} choices, the server returned {len(results)}")
         return results
@@ -217,17 +240,33 @@ def _parse_choice(choice: dict[str, Any], prompt_ids: list[int]) -> ChatResult:
         raise InferenceError(_NO_TOKEN_IDS)
     content = (choice.get("logprobs") or {}).get("content") or []
     logprobs = [float(entry["logprob"]) for entry in content]
+    text = (choice.get("message") or {}).get("content") or ""
+    return _checked(prompt_ids, [int(t) for t in completion_ids], logprobs, text, choice)
+
+
+def parse_completion_choices(payload: dict[str, Any], prompt_ids: list[int]) -> list[ChatResult]:
+    """Every choice of a vLLM completion of a token-id prompt, in choice order."""
+    choices = sorted(payload.get("choices") or [], key=lambda c: c.get("index", 0))
+    if not choices:
+        raise InferenceError(f"completion has no choices: {str(payload)[:300]}")
+    results = []
+    for choice in choices:
+        echoed = choice.get("prompt_token_ids")
+        if echoed is not None and [int(t) for t in echoed] != prompt_ids:
+            raise InferenceError("the server's prompt_token_ids differ from the token ids sent")
+        completion_ids = choice.get("token_ids")
+        if completion_ids is None:
+            raise InferenceError(_NO_TOKEN_IDS)
+        logprobs = [float(lp) for lp in ((choice.get("logprobs") or {}).get("token_logprobs") or [])]
+        results.append(_checked(prompt_ids, [int(t) for t in completion_ids], logprobs, choice.get("text") or "", choice))
+    return results
+
+
+def _checked(prompt_ids: list[int], completion_ids: list[int], logprobs: list[float], text: str, choice: dict) -> ChatResult:
     if len(logprobs) != len(completion_ids):
         raise InferenceError(
-            f"chat completion has {len(completion_ids)} completion token ids but {len(logprobs)} logprobs; "
-            "they must match one to one"
+            f"completion has {len(completion_ids)} completion token ids but {len(logprobs)} logprobs; they must match one to one"
         )
     if not all(math.isfinite(lp) for lp in logprobs):
-        raise InferenceError("chat completion has a non-finite logprob")
-    return ChatResult(
-        prompt_ids=prompt_ids,
-        completion_ids=[int(t) for t in completion_ids],
-        completion_logprobs=logprobs,
-        text=(choice.get("message") or {}).get("content") or "",
-        finish_reason=choice.get("finish_reason"),
-    )
+        raise InferenceError("completion has a non-finite logprob")
+    return ChatResult(prompt_ids, completion_ids, logprobs, text, choice.get("finish_reason"))

@@ -6,6 +6,9 @@ without a model. Lets the orchestrator (or anyone) run without vLLM.
   ``responder(messages, request_index)`` followed by the <|im_end|> stop token, as vLLM
   returns it. Honors ``max_tokens`` (finish_reason `length`). Returns
   ``prompt_token_ids``, ``choices[i].token_ids`` and ``choices[i].logprobs.content`` for ``n`` choices.
+- ``POST /v1/completions`` with a token-id ``prompt`` (what the orchestrator sends): the
+  ChatML prompt is decoded back into messages for ``responder``; the choices carry
+  ``prompt_token_ids``, ``token_ids``, ``text`` and ``logprobs.token_logprobs``.
 - ``GET /health``, ``POST /pause``, ``/collective_rpc``, ``/reset_prefix_cache``,
   ``/resume``: answered like vLLM's dev-mode server and recorded in ``calls`` in order.
 - fault injection: ``fail`` ({path: status}) makes that path answer the status, ``delay``
@@ -35,6 +38,22 @@ def encode_chat(messages: list[dict[str, Any]]) -> list[int]:
     for message in messages:
         ids += [IM_START, *f"{message['role']}\n{message['content']}".encode(), IM_END, *b"\n"]
     return ids + [IM_START, *b"assistant\n"]
+
+
+def decode_chat(ids: list[int]) -> list[dict[str, Any]]:
+    """The messages of a ChatML token-id prompt (the inverse of ``encode_chat``; the open
+    generation prompt at the end is dropped)."""
+    messages, current = [], None
+    for t in ids:
+        if t == IM_START:
+            current = []
+        elif t == IM_END and current is not None:
+            role, _, content = bytes(current).decode(errors="replace").partition("\n")
+            messages.append({"role": role, "content": content})
+            current = None
+        elif current is not None and t < 256:
+            current.append(t)
+    return messages
 
 
 def reverse_half_the_time(messages: list[dict[str, Any]], index: int) -> str:
@@ -102,7 +121,7 @@ class FakeInferenceServer:
         with self._lock:
             self.calls.append((method, path, body))
             index = self._requests
-            if route == "/v1/chat/completions":
+            if route in ("/v1/chat/completions", "/v1/completions"):
                 self._requests += 1
             seen = self._route_counts[route] = self._route_counts.get(route, 0) + 1
         faulty = self.faults_first is None or seen <= self.faults_first
@@ -114,6 +133,8 @@ class FakeInferenceServer:
             return 200, None
         if method == "POST" and route == "/v1/chat/completions":
             return 200, self.chat_completion(body, index)
+        if method == "POST" and route == "/v1/completions":
+            return 200, self.completion(body, index)
         if method == "POST" and route == "/pause":
             self.paused = True
             return 200, {"status": "paused"}
@@ -146,12 +167,34 @@ class FakeInferenceServer:
             "prompt_token_ids": prompt_ids if body.get("return_token_ids") else None,
         }
 
-    def _choice(self, body: dict[str, Any], sample_index: int, choice_index: int) -> dict[str, Any]:
-        text = self.responder(body["messages"], sample_index)
+    def completion(self, body: dict[str, Any], index: int) -> dict[str, Any]:
+        n = int(body.get("n") or 1)
+        prompt_ids = [int(t) for t in body["prompt"]]
+        messages = decode_chat(prompt_ids)
+        choices = []
+        for i in range(n):
+            ids, finish = self._sample(messages, index * n + i, body)
+            choices.append({
+                "index": i,
+                "text": bytes(t for t in ids if t < 256).decode(errors="replace"),
+                "logprobs": {"token_logprobs": [LOGPROB] * len(ids), "tokens": [], "top_logprobs": [], "text_offset": []},
+                "finish_reason": finish,
+                "stop_reason": None,
+                "token_ids": ids if body.get("return_token_ids") else None,
+                "prompt_token_ids": prompt_ids if body.get("return_token_ids") else None,
+            })
+        return {"id": f"cmpl-{index}", "object": "text_completion", "created": 0, "model": body.get("model"), "choices": choices}
+
+    def _sample(self, messages: list[dict[str, Any]], sample_index: int, body: dict[str, Any]) -> tuple[list[int], str]:
+        """The responder's text as byte ids + <|im_end|>, cut at max_tokens."""
+        text = self.responder(messages, sample_index)
         ids = [*text.encode(), IM_END]
         max_tokens = int(body.get("max_tokens") or len(ids))
         finish = "length" if len(ids) > max_tokens else "stop"
-        ids = ids[:max_tokens]
+        return ids[:max_tokens], finish
+
+    def _choice(self, body: dict[str, Any], sample_index: int, choice_index: int) -> dict[str, Any]:
+        ids, finish = self._sample(body["messages"], sample_index, body)
         content = [
             {"token": f"token_id:{t}", "logprob": LOGPROB, "bytes": [t] if t < 256 else [], "top_logprobs": []}
             for t in ids

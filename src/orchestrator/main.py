@@ -2,14 +2,16 @@
 
     python -m orchestrator.main --config RUN/configs/orchestrator.json [--dotted.flags]
 
-Per step n (0..max_steps-1), top to bottom:
+Before the first step of a fresh run, a preflight check of the task's difficulty
+(`orchestrator.preflight`). Per step n (0..max_steps-1), top to bottom:
   (a) sync the policy: inference must serve weights of version >= n - async_level; a
       newer complete `weights/step_K/` is reloaded as soon as it appears;
-  (b) pick the step's examples (seeded order over all environments);
-  (c) run every rollout of the step concurrently through the inference server;
-  (d) advantages within each example's group of rollouts;
-  (e) pack one batch per trainer rank and send it;
-  (f) log a metrics row.
+  (b) evaluate on the eval splits every `eval.interval` steps;
+  (c) pick the step's examples (seeded, weighted order over the environments);
+  (d) run every rollout of the step concurrently through the inference server;
+  (e) advantages within each example's group of rollouts;
+  (f) pack one batch per trainer rank and send it;
+  (g) log a metrics row (overall, and per environment).
 Each batch is recorded in `rollouts/step_n/` before it is sent (`orchestrator.progress`),
 so a resume from a trainer checkpoint re-sends what was sampled but not yet trained on
 and samples on from the recorded data cursor.
@@ -29,7 +31,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from prime_rl.config import OrchestratorConfig
+from prime_rl.chat import TemplateError
+from prime_rl.config import OrchestratorConfig, check_model_path
+from prime_rl.envs import Environment, Rollout
 from prime_rl.metrics import Metrics, make_metrics
 from prime_rl.rundir import MARKER, latest_weights_step, weights_dir, weights_step_dir
 from prime_rl.settings import ConfigError, help_text, process_config
@@ -39,9 +43,11 @@ from orchestrator.advantages import group_advantages, zero_variance_groups
 from orchestrator.batch import ScoredRollout, pack_batches
 from orchestrator.client import InferenceClient, InferenceError
 from orchestrator.data import ExampleOrder
-from orchestrator.envs import Environment, Rollout, load_env
-from orchestrator.envs.base import rollout_group
+from orchestrator.envs import load_env
+from orchestrator.preflight import PreflightFailed, preflight
 from orchestrator.progress import ResumeError, StepRecord, plan_resume, prune_records, save_record
+from orchestrator.rollouts import run_groups, summarize
+from orchestrator.sampler import TokenSampler, check_multi_turn_template
 from orchestrator.sender import BatchSender
 
 CONSOLE_KEYS = ("reward/mean", "policy/version", "staleness/max", "seq/completion_len_mean", "time/step")
@@ -95,17 +101,13 @@ async def sync_policy(step: int, loaded: int, cfg: OrchestratorConfig, client: I
 
 
 async def generate(
-    envs: list[Environment], picks: list[tuple[int, int]], client: InferenceClient, cfg: OrchestratorConfig
-) -> list[Rollout]:
-    """All rollouts of the step, group by group: [len(picks) * rollouts_per_example]."""
-    n = cfg.rollouts_per_example
+    envs: list[tuple[str, Environment]], picks: list[tuple[int, int]], sampler: TokenSampler, n: int
+) -> list[tuple[str, Rollout]]:
+    """All rollouts of the step, group by group: [len(picks) * n] (environment name, rollout)."""
     # A TaskGroup cancels the other groups as soon as one fails.
     async with asyncio.TaskGroup() as group:
-        tasks = [
-            group.create_task(rollout_group(envs[env], client, envs[env].dataset[index], cfg.sampling, n))
-            for env, index in picks
-        ]
-    rollouts = [rollout for task in tasks for rollout in task.result()]
+        tasks = [group.create_task(envs[e][1].rollout_group(sampler, envs[e][1].dataset[i], n)) for e, i in picks]
+    rollouts = [(envs[e][0], rollout) for (e, _), task in zip(picks, tasks) for rollout in task.result()]
     if len(rollouts) != len(picks) * n:
         raise InferenceError(f"expected {len(picks) * n} rollouts, got {len(rollouts)}")
     return rollouts
@@ -152,23 +154,45 @@ def step_metrics(
         "time/reload": sync.reload_s,
         "time/step": step_s,
         "inference/retries": client_retries,
+        "seq/turns_mean": float(np.mean([item.rollout.num_turns for item in items])),
+        **{
+            f"stop/{cond}_frac": float(np.mean([item.rollout.stop_condition == cond for item in items]))
+            for cond in sorted({item.rollout.stop_condition for item in items})
+        },
+        **env_metrics(items),
     }
     if sync.reloaded_step is not None:
         row["weights/reloaded_step"] = sync.reloaded_step
     return row
 
 
+def env_metrics(items: list[ScoredRollout]) -> dict[str, float | int]:
+    """Per environment: `reward/<env>/mean`, `batch/<env>/rollouts`, `metrics/<env>/<function>`
+    (mean raw value) and `errors/<env>/<function>` (rollouts whose function raised)."""
+    row: dict[str, float | int] = {}
+    for name in dict.fromkeys(item.env for item in items):
+        rollouts = [item.rollout for item in items if item.env == name]
+        row[f"reward/{name}/mean"] = float(np.mean([r.reward for r in rollouts]))
+        row[f"batch/{name}/rollouts"] = len(rollouts)
+        for metric in dict.fromkeys(m for r in rollouts for m in r.metrics):
+            row[f"metrics/{name}/{metric}"] = float(np.mean([r.metrics.get(metric, 0.0) for r in rollouts]))
+            row[f"errors/{name}/{metric}"] = sum(metric in r.errors for r in rollouts)
+    return row
+
+
 # --------------------------------------------------------------------------- the loop
 
 
-async def run(cfg: OrchestratorConfig, envs: list[Environment]) -> None:
-    sizes = [len(env.dataset) for env in envs]
-    order = ExampleOrder(sizes, seed=cfg.seed)
+async def run(cfg: OrchestratorConfig, envs: list[tuple[str, Environment]], tokenizer) -> None:
+    sizes = [len(env.dataset) for _, env in envs]
+    weights = [env_cfg.weight for env_cfg in cfg.env]
+    order = ExampleOrder(sizes, seed=cfg.seed, weights=weights)
     examples_per_step = cfg.batch_size // cfg.rollouts_per_example
-    data = {"seed": cfg.seed, "dataset_sizes": sizes, "examples_per_step": examples_per_step}
+    data = {"seed": cfg.seed, "dataset_sizes": sizes, "weights": weights, "examples_per_step": examples_per_step}
     record_progress = cfg.ckpt.interval > 0
     metrics = make_metrics("orchestrator", cfg.output_dir, CONSOLE_KEYS, cfg.wandb, cfg.model_dump(mode="json"))
     client = InferenceClient(cfg.client, cfg.model)
+    sampler = TokenSampler(client, tokenizer, cfg.sampling, cfg.seq_len, per_turn=cfg.multi_turn == "per_turn")
     sender, delivered = None, False
     try:
         sender = BatchSender(cfg.transport, cfg.num_trainer_ranks)  # bind early so trainer ranks can connect
@@ -176,25 +200,30 @@ async def run(cfg: OrchestratorConfig, envs: list[Environment]) -> None:
         if cfg.ckpt.resume_step is not None:
             start, version = resume(cfg, data, order, sender, metrics)
         await client.wait_healthy(cfg.client.startup_timeout_s)
+        if start == 0 and cfg.preflight.enabled:
+            metrics.log(0, await preflight(dict(envs), sampler, cfg.preflight, cfg.seed, log), process="preflight")
         for step in range(start, cfg.max_steps):
             step_start = time.perf_counter()
             # (a) inference must serve a policy no older than step - async_level
             sync = await sync_policy(step, version, cfg, client)
             version = sync.version
-            # (b) the step's examples
-            cursor_before = order.cursor
+            # (b) evaluation on the eval splits, with the policy just synced
+            if cfg.eval.interval and step % cfg.eval.interval == 0:
+                metrics.log(step, await evaluate(envs, sampler, cfg, version), process="eval")
+            # (c) the step's examples
+            cursor_before = order.state_dict()
             picks = order.next(examples_per_step)
-            # (c) all rollouts concurrently (the client caps requests in flight)
+            # (d) all rollouts concurrently (the client caps requests in flight)
             generate_start = time.perf_counter()
-            rollouts = await generate(envs, picks, client, cfg)
+            rollouts = await generate(envs, picks, sampler, cfg.rollouts_per_example)
             generate_s = time.perf_counter() - generate_start
-            # (d) advantages within each example's group
+            # (e) advantages within each example's group
             advantages = group_advantages(
-                [r.reward for r in rollouts], cfg.rollouts_per_example, normalize_std=cfg.advantage.normalize_std
+                [r.reward for _, r in rollouts], cfg.rollouts_per_example, normalize_std=cfg.advantage.normalize_std
             )
-            items = [ScoredRollout(r, float(a), version) for r, a in zip(rollouts, advantages, strict=True)]
+            items = [ScoredRollout(r, float(a), version, name) for (name, r), a in zip(rollouts, advantages, strict=True)]
             check_async_bound(items, step, cfg.async_level)
-            # (e) one batch per trainer rank, recorded (for a resume) before it is sent
+            # (f) one batch per trainer rank, recorded (for a resume) before it is sent
             batches = pack_batches(
                 items,
                 step=step,
@@ -202,18 +231,22 @@ async def run(cfg: OrchestratorConfig, envs: list[Environment]) -> None:
                 micro_batch_size=cfg.micro_batch_size,
                 temperature=cfg.sampling.temperature,
                 seq_len=cfg.seq_len,
+                per_turn=cfg.multi_turn == "per_turn",
             )
             frames = [encode_batch(batch) for batch in batches]
             row = step_metrics(step, items, sync, cfg, generate_s, time.perf_counter() - step_start, client.retries)
             if record_progress:
                 versions = [item.policy_version for item in items]
-                record = StepRecord(step, frames, cursor_before, order.cursor, picks, min(versions), max(versions), data, row)
+                record = StepRecord(step, frames, cursor_before, order.state_dict(), picks, min(versions), max(versions), data, row)
                 save_record(cfg.output_dir, record)
                 prune_records(cfg.output_dir)
             for rank, frame in enumerate(frames):
                 sender.send_frame(rank, step, frame)
-            # (f) metrics
+            # (g) metrics
             metrics.log(step, row)
+        if cfg.eval.interval:  # the final policy, once the trainer has written it
+            sync = await sync_policy(cfg.max_steps, version, cfg.model_copy(update={"async_level": 0}), client)
+            metrics.log(cfg.max_steps, await evaluate(envs, sampler, cfg, sync.version), process="eval")
         delivered = True
     finally:
         # After the last step, linger so queued batches still reach the trainer; on an error, drop them.
@@ -223,13 +256,30 @@ async def run(cfg: OrchestratorConfig, envs: list[Environment]) -> None:
         metrics.close()
 
 
+async def evaluate(envs: list[tuple[str, Environment]], sampler: TokenSampler, cfg: OrchestratorConfig, version: int) -> dict:
+    """`eval/<env>/...` figures on the first `eval.num_examples` of each eval split, and the
+    overall `eval/reward/mean`."""
+    start = time.perf_counter()
+    row: dict[str, float | int] = {"eval/policy_version": version}
+    all_groups = []
+    for name, env in envs:
+        examples = env.eval_examples(cfg.eval.num_examples)
+        groups = await run_groups(env, sampler, examples, cfg.eval.rollouts_per_example)
+        all_groups += groups
+        row.update({f"eval/{name}/{key}": value for key, value in summarize(groups).items()})
+    row["eval/reward/mean"] = summarize(all_groups)["reward/mean"]
+    row["time/eval"] = time.perf_counter() - start
+    log(f"eval with policy version {version}: mean reward {row['eval/reward/mean']:.3f}")
+    return row
+
+
 def resume(cfg: OrchestratorConfig, data: dict, order: ExampleOrder, sender: BatchSender, metrics: Metrics) -> tuple[int, int]:
     """Continue after trainer checkpoint N: re-send the recorded batches sampled but not yet
     trained on (with their metrics rows) and restore the data cursor. Inference serves
     weights/step_N. Returns (first step to sample, policy version inference serves)."""
     step = cfg.ckpt.resume_step
     plan = plan_resume(cfg.output_dir, step, data, cfg.num_trainer_ranks)
-    order.load_state_dict({"cursor": plan.cursor})
+    order.load_state_dict(plan.cursor)
     for record in plan.replay:
         for rank, frame in enumerate(record.frames):
             sender.send_frame(rank, record.step, frame)
@@ -245,14 +295,34 @@ def log(msg: str) -> None:
 # --------------------------------------------------------------------------- entry point
 
 
-def setup(argv: list[str]) -> tuple[OrchestratorConfig, list[Environment]]:
-    """Config and environments; raises ConfigError for anything the user must fix first."""
+def setup(argv: list[str]) -> tuple[OrchestratorConfig, list[tuple[str, Environment]], object]:
+    """Config, environments (by metric name) and tokenizer; raises ConfigError for anything
+    the user must fix first (including a chat template multi-turn rollouts cannot use)."""
     cfg = process_config(OrchestratorConfig, argv)
     try:
-        envs = [load_env(env_cfg) for env_cfg in cfg.env]
+        envs = [(env_cfg.metric_name, load_env(env_cfg)) for env_cfg in cfg.env]
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    return cfg, envs
+    for (name, env), env_cfg in zip(envs, cfg.env):
+        if not env.dataset:
+            raise ConfigError(f"environment {env_cfg.id!r} has no training examples (only an eval split)")
+    tokenizer = load_tokenizer(cfg.tokenizer or cfg.model)
+    if cfg.multi_turn == "sequence" and any(env.max_turns != 1 for _, env in envs):
+        try:
+            check_multi_turn_template(tokenizer, cfg.tokenizer or cfg.model)
+        except TemplateError as e:
+            raise ConfigError(str(e)) from None
+    return cfg, envs, tokenizer
+
+
+def load_tokenizer(name: str):
+    from transformers import AutoTokenizer
+
+    try:
+        check_model_path(name, "tokenizer")  # a missing local path fails now, not after hub retries
+        return AutoTokenizer.from_pretrained(name)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"cannot load the tokenizer of {name!r}: {e}") from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -262,20 +332,21 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(help_text(OrchestratorConfig)))
         return 0
     try:
-        cfg, envs = setup(argv)
+        cfg, envs, tokenizer = setup(argv)
     except ConfigError as e:
         print(e, file=sys.stderr)
         return 2
     try:
-        asyncio.run(run(cfg, envs))
-    except (OSError, InferenceError, ResumeError, ExceptionGroup) as e:  # TimeoutError is an OSError
+        asyncio.run(run(cfg, envs, tokenizer))
+    except (OSError, InferenceError, ResumeError, PreflightFailed, TemplateError, ExceptionGroup) as e:  # TimeoutError is an OSError
         errors = leaf_errors(e)
-        if not all(isinstance(err, OSError | InferenceError | ResumeError) for err in errors):
+        expected = OSError | InferenceError | ResumeError | PreflightFailed | TemplateError
+        if not all(isinstance(err, expected) for err in errors):
             raise
         # Expected failures (a peer missing or misbehaving): the message, once, without a traceback.
         for message in dict.fromkeys(str(err) for err in errors):
             print(f"[orchestrator] error: {message}", file=sys.stderr)
-        return 1
+        return 2 if all(isinstance(err, PreflightFailed) for err in errors) else 1
     return 0
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from prime_rl.rundir import (
     MARKER,
@@ -48,8 +49,10 @@ class StepRecord:
     frames: list[bytes]
     """One encoded TrainBatch per trainer rank, in rank order."""
 
-    cursor_before: int
-    cursor_after: int
+    cursor_before: Any
+    cursor_after: Any
+    """Data order state (``ExampleOrder.state_dict()``, JSON) before and after the step."""
+
     picks: list[tuple[int, int]]
     """(environment index, example index) of every example of the step, in order."""
 
@@ -100,8 +103,8 @@ class ResumePlan:
     next_step: int
     """First step to sample anew."""
 
-    cursor: int
-    """Data cursor before ``next_step``."""
+    cursor: Any
+    """Data order state before ``next_step``."""
 
 
 def plan_resume(run_dir: Path, resume_step: int, data: dict, num_ranks: int) -> ResumePlan:

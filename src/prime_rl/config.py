@@ -31,7 +31,7 @@ class StrictModel(BaseModel):
 # --------------------------------------------------------------------------- environments
 
 # Ids the orchestrator ships (`orchestrator.envs.REGISTRY` must match; a test checks it).
-KNOWN_ENVIRONMENTS = ("reverse-text",)
+KNOWN_ENVIRONMENTS = ("reverse-text", "alphabet-sort", "gsm8k", "wordle")
 _HUB_PREFIX = "primeintellect/"
 
 
@@ -40,19 +40,28 @@ def environment_name(env_id: str) -> str:
     return env_id.removeprefix(_HUB_PREFIX)
 
 
+def environment_module(env_id: str) -> str:
+    """The module a user's environment id names: `my-env` or `org/my-env` -> `my_env`
+    (a dotted module path is kept as it is)."""
+    return env_id.split("/")[-1].replace("-", "_")
+
+
 def check_environment_id(env_id: str) -> None:
-    """Known id, or an importable module (a user's environment); anything else fails clearly."""
+    """Built-in id (with or without `primeintellect/`), or an importable module (dashes ->
+    underscores); anything else fails clearly, before any process starts."""
     if environment_name(env_id) in KNOWN_ENVIRONMENTS:
         return
-    if re.fullmatch(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*", env_id):
+    module = environment_module(env_id)
+    if re.fullmatch(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*", module):
         try:
-            if importlib.util.find_spec(env_id) is not None:
+            if importlib.util.find_spec(module) is not None:
                 return
         except (ImportError, ValueError):
             pass
     raise ValueError(
-        f"unknown environment id {env_id!r}; known: {', '.join(KNOWN_ENVIRONMENTS)} "
-        "(or an importable module that defines load_environment)"
+        f"unknown environment id {env_id!r}; known: {', '.join(KNOWN_ENVIRONMENTS)}. A module of your own "
+        f"works once it is importable as {module!r} and defines load_environment(): install it into this "
+        "environment (`uv pip install -e ./my-env`) or put it on PYTHONPATH"
     )
 
 
@@ -90,15 +99,72 @@ class SamplingConfig(StrictModel):
 
 class EnvConfig(StrictModel):
     id: str = "reverse-text"
-    """Environment id (e.g. `reverse-text`, `primeintellect/reverse-text`) or an importable module path providing `load_environment`."""
+    """Environment id: built-in (`reverse-text`, `alphabet-sort`, `gsm8k`, `wordle`, with or without `primeintellect/`) or an importable module defining `load_environment` (`my-env` imports `my_env`)."""
 
     args: dict[str, Any] = {}
     """Keyword arguments passed to the environment's `load_environment`."""
 
+    weight: float = Field(1.0, gt=0)
+    """Share of each batch's examples drawn from this environment, relative to the other entries' weights."""
+
+    name: str | None = None
+    """Name in metrics (`reward/<name>/mean`); defaults to the id without its owner prefix."""
+
     @model_validator(mode="after")
     def _known_environment(self) -> EnvConfig:
         check_environment_id(self.id)
+        if self.name is not None and not re.fullmatch(r"[\w.-]+", self.name):
+            raise ValueError(f"env name {self.name!r} may only hold letters, digits, `_`, `-` and `.`")
         return self
+
+    @property
+    def metric_name(self) -> str:
+        return self.name or environment_name(self.id).split("/")[-1]
+
+
+def check_env_names(envs: list[EnvConfig]) -> None:
+    names = [e.metric_name for e in envs]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise ValueError(f"several [[env]] entries are named {duplicates[0]!r}; give each a distinct `name`")
+
+
+class PreflightConfig(StrictModel):
+    """Before RL, a few rollouts of the starting model on a sample of examples, to catch a task that is too hard or too easy."""
+
+    enabled: bool = True
+    """Run the preflight check before the first step of a fresh run (a resumed run skips it)."""
+
+    num_examples: int = Field(16, ge=1)
+    """Examples sampled per environment."""
+
+    rollouts_per_example: int = Field(10, ge=1)
+    """Attempts per example (the rule of thumb: 0% after 10+ attempts means too hard)."""
+
+    too_hard_frac: float = Field(0.5, ge=0, le=1)
+    """Advise when more than this share of examples scored 0 on every attempt."""
+
+    too_easy_frac: float = Field(0.5, ge=0, le=1)
+    """Advise when more than this share of examples has a mean reward of 0.8 or more."""
+
+    no_diversity_frac: float = Field(0.5, ge=0, le=1)
+    """Advise when more than this share of groups got identical rewards (no learning signal)."""
+
+    strict: bool = False
+    """Stop the run (instead of only advising) when a threshold is crossed."""
+
+
+class EvalConfig(StrictModel):
+    """Evaluation on the environments' eval splits during RL."""
+
+    interval: int = Field(0, ge=0)
+    """Evaluate every this many steps (and after the last step); 0 = never."""
+
+    num_examples: int = Field(16, ge=-1)
+    """Examples per environment (the first ones of its eval split; -1 = all)."""
+
+    rollouts_per_example: int = Field(1, ge=1)
+    """Rollouts per example."""
 
 
 class WandbConfig(StrictModel):
@@ -279,6 +345,18 @@ class OrchestratorConfig(StrictModel):
     advantage: AdvantageConfig = AdvantageConfig()
     """How rewards become advantages within each group."""
 
+    tokenizer: str | None = None
+    """Tokenizer (HF id or local path) that renders prompts; None = `model`."""
+
+    multi_turn: Literal["sequence", "per_turn"] = "sequence"
+    """How a multi-turn rollout is trained: `sequence` = one sample with every turn's exact tokens (needs a chat template that renders each turn as an extension of the previous ones); `per_turn` = one sample per turn, its prompt the template's rendering of the conversation so far (for templates that rewrite earlier turns, e.g. Qwen3's <think> stripping)."""
+
+    preflight: PreflightConfig = PreflightConfig()
+    """Difficulty check before RL."""
+
+    eval: EvalConfig = EvalConfig()
+    """Evaluation during RL."""
+
     transport: TransportConfig = TransportConfig()
     """Where micro-batches go."""
 
@@ -320,6 +398,7 @@ class OrchestratorConfig(StrictModel):
 
     @model_validator(mode="after")
     def _batch_divisible(self) -> OrchestratorConfig:
+        check_env_names(self.env)
         if self.batch_size % self.rollouts_per_example:
             raise ValueError(
                 f"batch_size ({self.batch_size}) must be divisible by rollouts_per_example ({self.rollouts_per_example})"
@@ -396,6 +475,8 @@ SHARED_FIELDS: dict[str, tuple[str, ...]] = {
     "wandb": ("trainer.wandb", "orchestrator.wandb"),
     "transport": ("trainer.transport", "orchestrator.transport"),
     "ckpt": ("trainer.ckpt", "orchestrator.ckpt"),
+    "preflight": ("orchestrator.preflight",),
+    "eval": ("orchestrator.eval",),
 }
 
 
@@ -440,6 +521,12 @@ class RLConfig(StrictModel):
 
     ckpt: CheckpointConfig | None = None
     """Checkpoint settings for trainer and orchestrator."""
+
+    preflight: PreflightConfig | None = None
+    """Difficulty check before RL (orchestrator)."""
+
+    eval: EvalConfig | None = None
+    """Evaluation during RL (orchestrator)."""
 
     trainer: TrainerConfig = TrainerConfig()
     """Trainer process."""

@@ -53,7 +53,8 @@ class ConsoleSink:
             if key in row:
                 value = row[key]
                 parts.append(f"{key} {value:.4g}" if isinstance(value, float) else f"{key} {value}")
-        print(f"[{self.process}] " + " | ".join(parts), flush=True)
+        if len(parts) > 1:  # rows of other kinds (eval, preflight) print their own summary
+            print(f"[{self.process}] " + " | ".join(parts), flush=True)
 
     def close(self) -> None:
         pass
@@ -97,8 +98,9 @@ class Metrics:
         self.sinks = sinks
         self._start = time.time()
 
-    def log(self, step: int, values: dict[str, Any]) -> None:
-        row = {"process": self.process, "step": step, "time": round(time.time() - self._start, 3), **values}
+    def log(self, step: int, values: dict[str, Any], process: str | None = None) -> None:
+        """One row; ``process`` labels rows of another kind (e.g. `eval`) than the process's own."""
+        row = {"process": process or self.process, "step": step, "time": round(time.time() - self._start, 3), **values}
         for sink in list(self.sinks):
             try:
                 sink.log(row)

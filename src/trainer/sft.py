@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from prime_rl.chat import TemplateError, assistant_span, render_ids
 from prime_rl.config import SFTConfig
 from prime_rl.metrics import ConsoleSink, make_metrics
 from prime_rl.rundir import MARKER
@@ -131,45 +132,28 @@ def load_examples(path: Path, tokenizer, seq_len: int) -> list[Example]:
 def tokenize_chat(tokenizer, messages: list[dict]) -> Example:
     """(input_ids, loss_mask) with 1 exactly on the tokens of each assistant turn.
 
-    Generic for any chat template: a turn's tokens are those between the conversation up
-    to it rendered with the generation prompt, and the conversation including it. The
-    turn ends at its last end-of-turn (special) token: whatever the template writes after
-    it (ChatML's newline) is formatting the model never generates, since decoding stops there.
+    Generic for any chat template (``prime_rl.chat``, the same rendering RL prompts use): a
+    turn's tokens are those between the conversation up to it rendered with the generation
+    prompt and the conversation including it, up to its end-of-turn token; what the template
+    writes after that (ChatML's newline) is formatting the model never generates. Message
+    contents never become control tokens.
     """
-    ids = _render(tokenizer, messages)
+    ids = render_ids(tokenizer, messages)
     mask = [0] * len(ids)
-    end_of_turn = end_of_turn_ids(tokenizer)
     for i, message in enumerate(messages):
         if message.get("role") != "assistant":
             continue
-        prefix = _render(tokenizer, messages[:i], add_generation_prompt=True)
-        upto = _render(tokenizer, messages[: i + 1])
-        if upto[: len(prefix)] != prefix or ids[: len(upto)] != upto:
+        try:
+            upto, start, end, _ = assistant_span(tokenizer, messages, i)
+        except TemplateError:
+            upto, start, end = [], 0, 0
+        if not upto or ids[: len(upto)] != upto:
             raise ValueError(
                 f"chat template does not render turn {i} as an extension of the turns before it "
                 "(e.g. it rewrites earlier turns); cannot locate the assistant tokens"
             )
-        turn = upto[len(prefix) :]
-        stops = [j for j, t in enumerate(turn) if t in end_of_turn]
-        end = len(prefix) + (stops[-1] + 1 if stops else len(turn))
-        mask[len(prefix) : end] = [1] * (end - len(prefix))
+        mask[start:end] = [1] * (end - start)
     return ids, mask
-
-
-def end_of_turn_ids(tokenizer) -> set[int]:
-    """eos plus every special added token (ChatML's <|im_end|>, Llama 3's <|eot_id|>, ...)."""
-    ids = {i for i, tok in tokenizer.added_tokens_decoder.items() if tok.special}
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return ids
-
-
-def _render(tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> list[int]:
-    # return_dict=False: transformers 5 returns a BatchEncoding by default, 4.x a list.
-    out = tokenizer.apply_chat_template(
-        messages, tokenize=True, add_generation_prompt=add_generation_prompt, return_dict=False
-    )
-    return list(out)
 
 
 def batch_stream(examples: list[Example], batch_size: int, seed: int) -> Iterator[list[Example]]:

@@ -1,28 +1,30 @@
-"""Environments: a plain registry of shipped ids, plus users' own modules.
+"""The built-in environments and how an `[[env]]` entry becomes an environment.
 
-``REGISTRY`` maps an environment id to the module that defines ``load_environment``;
-its keys must equal ``prime_rl.config.KNOWN_ENVIRONMENTS`` (tested), so the launcher
-can validate ids without importing this package.
+``REGISTRY`` maps each built-in id to its module; its keys must equal
+``prime_rl.config.KNOWN_ENVIRONMENTS`` (tested), so the launcher can validate ids without
+importing this package. Any other id names a user's module (``my-env`` -> ``my_env``),
+which must define ``load_environment(**args)`` returning a ``prime_rl.envs.Environment``.
 """
 
 from __future__ import annotations
 
 import importlib
 
-from prime_rl.config import EnvConfig, environment_name
-
-from orchestrator.envs.base import Environment, Example, Rollout, SingleTurnEnv, Turn
-
-__all__ = ["REGISTRY", "Environment", "Example", "Rollout", "SingleTurnEnv", "Turn", "load_env"]
+from prime_rl.config import EnvConfig, environment_module, environment_name
+from prime_rl.envs import DatasetUnavailable, Environment
 
 REGISTRY: dict[str, str] = {
     "reverse-text": "orchestrator.envs.reverse_text",
+    "alphabet-sort": "orchestrator.envs.alphabet_sort",
+    "gsm8k": "orchestrator.envs.gsm8k",
+    "wordle": "orchestrator.envs.wordle",
 }
 
 
 def load_env(env_cfg: EnvConfig) -> Environment:
-    """Known id (``primeintellect/`` prefix allowed) or an importable module path."""
-    module_path = REGISTRY.get(environment_name(env_cfg.id), env_cfg.id)
+    """Built-in id (``primeintellect/`` prefix allowed) or a user's module; any problem is a
+    ValueError naming the environment and what was expected."""
+    module_path = REGISTRY.get(environment_name(env_cfg.id)) or environment_module(env_cfg.id)
     try:
         module = importlib.import_module(module_path)
     except ImportError as e:
@@ -34,9 +36,13 @@ def load_env(env_cfg: EnvConfig) -> Environment:
         env = load(**env_cfg.args)
     except TypeError as e:  # usually a wrong keyword in [[env]] args
         raise ValueError(f"environment {env_cfg.id!r}: load_environment(**{env_cfg.args!r}) failed: {e}") from e
-    if not isinstance(env, Environment) or len(env.dataset) == 0:
+    except DatasetUnavailable as e:
+        raise ValueError(f"environment {env_cfg.id!r}: {e}") from e
+    if not isinstance(env, Environment):
         raise ValueError(
-            f"environment {env_cfg.id!r}: load_environment() must return an object with a non-empty "
-            "`dataset` and an async `rollout(client, example, sampling)`"
+            f"environment {env_cfg.id!r}: load_environment() returned {type(env).__name__}, expected a "
+            "prime_rl.envs.Environment (SingleTurnEnv, MultiTurnEnv or a subclass)"
         )
+    if not env.dataset and not env.eval_dataset:
+        raise ValueError(f"environment {env_cfg.id!r}: load_environment() returned an environment with no examples")
     return env

@@ -1,19 +1,27 @@
 """reverse-text: reverse a short random lowercase string character by character.
 
-Offline and generated (no download): example i is drawn from a seeded generator, so
-the same args always give the same dataset. Reward is the longest-common-subsequence
-ratio between the model's answer and the reversed text, so near misses earn partial
-credit (a smooth signal for a small model).
+Single turn. Offline and generated (no download): example i is drawn from a seeded
+generator, so the same args always give the same dataset. The reward is the
+longest-common-subsequence ratio between the model's answer and the reversed text, so
+near misses earn partial credit (a smooth signal for a small model).
+
+``answer_format="xml"`` asks for the hub version's format (`<reversed_text>...</reversed_text>`,
+parsed with an XMLParser); the default `plain` takes the whole reply as the answer.
 """
 
 from __future__ import annotations
 
 import random
 import string
+from typing import Literal
 
-from orchestrator.envs.base import Example, SingleTurnEnv
+from prime_rl.envs import Parser, Rubric, SingleTurnEnv, XMLParser
 
 SYSTEM_PROMPT = "Reverse the text character by character."
+XML_SYSTEM_PROMPT = (
+    "Reverse the given text character by character. Respond in the following format:\n"
+    "<reversed_text>\n...\n</reversed_text>"
+)
 
 
 def lcs_length(a: str, b: str) -> int:
@@ -39,27 +47,43 @@ def lcs_ratio(a: str, b: str) -> float:
     return 2 * lcs_length(a, b) / (len(a) + len(b))
 
 
-def make_dataset(num_examples: int, min_len: int, max_len: int, seed: int) -> list[Example]:
+def make_rows(num_examples: int, min_len: int, max_len: int, seed: int) -> list[dict]:
     rng = random.Random(seed)
-    examples = []
-    for i in range(num_examples):
+    rows = []
+    for _ in range(num_examples):
         text = "".join(rng.choices(string.ascii_lowercase, k=rng.randint(min_len, max_len)))
-        prompt = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": text}]
-        examples.append(Example(id=i, prompt=prompt, answer=text[::-1], info={"text": text}))
-    return examples
+        rows.append({"question": text, "answer": text[::-1], "info": {"text": text}})
+    return rows
 
 
-class ReverseTextEnv(SingleTurnEnv):
-    def __init__(self, num_examples: int = 10000, min_len: int = 3, max_len: int = 8, seed: int = 0):
-        if not 1 <= min_len <= max_len:
-            raise ValueError(f"reverse-text: need 1 <= min_len <= max_len, got min_len={min_len}, max_len={max_len}")
-        if num_examples < 1:
-            raise ValueError(f"reverse-text: num_examples must be >= 1, got {num_examples}")
-        self.dataset = make_dataset(num_examples, min_len, max_len, seed)
-
-    def score(self, example: Example, completion_text: str) -> float:
-        return lcs_ratio(completion_text.strip(), example.answer)
+def lcs_reward(completion, answer, parser) -> float:
+    """LCS ratio of the parsed answer (stripped) and the reversed text."""
+    return lcs_ratio((parser.parse_answer(completion) or "").strip(), answer)
 
 
-def load_environment(num_examples: int = 10000, min_len: int = 3, max_len: int = 8, seed: int = 0) -> ReverseTextEnv:
-    return ReverseTextEnv(num_examples=num_examples, min_len=min_len, max_len=max_len, seed=seed)
+def load_environment(
+    num_examples: int = 10000,
+    min_len: int = 3,
+    max_len: int = 8,
+    seed: int = 0,
+    answer_format: Literal["plain", "xml"] = "plain",
+    num_eval_examples: int = 100,
+) -> SingleTurnEnv:
+    if not 1 <= min_len <= max_len:
+        raise ValueError(f"reverse-text: need 1 <= min_len <= max_len, got min_len={min_len}, max_len={max_len}")
+    if num_examples < 1 or num_eval_examples < 0:
+        raise ValueError(f"reverse-text: num_examples must be >= 1 and num_eval_examples >= 0, got {num_examples}, {num_eval_examples}")
+    if answer_format not in ("plain", "xml"):
+        raise ValueError(f"reverse-text: answer_format must be 'plain' or 'xml', got {answer_format!r}")
+    parser = XMLParser(["reversed_text"], answer_field="reversed_text") if answer_format == "xml" else Parser()
+    rubric = Rubric(funcs=[lcs_reward], parser=parser)
+    if answer_format == "xml":
+        rubric.add_reward_func(parser.get_format_reward_func(), weight=0.0)
+    return SingleTurnEnv(
+        dataset=make_rows(num_examples, min_len, max_len, seed),
+        # a different seed than any training seed a run is likely to use
+        eval_dataset=make_rows(num_eval_examples, min_len, max_len, seed + 10_000) if num_eval_examples else None,
+        system_prompt=XML_SYSTEM_PROMPT if answer_format == "xml" else SYSTEM_PROMPT,
+        parser=parser,
+        rubric=rubric,
+    )

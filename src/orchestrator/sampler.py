@@ -1,0 +1,84 @@
+"""The environments' ``ModelClient`` for training: chats in, exact tokens out.
+
+The orchestrator renders every prompt itself with the model's chat template
+(``prime_rl.chat.render_ids``: message contents never become control tokens) and sends it
+to vLLM as token ids. Multi-turn rollouts are exact: turn k's prompt is the previous
+turns' tokens exactly as sampled, then the "bridge" the template puts between the last
+assistant message and the next generation prompt (the end-of-turn token when the model
+did not emit one, the environment's messages, the glue). So the trainer sees precisely
+the sequence vLLM saw and nothing is ever re-tokenized.
+
+With ``per_turn`` (for chat templates that rewrite earlier turns), each turn's prompt is
+instead the template's fresh rendering of the whole conversation, and each turn becomes
+its own training sample.
+
+The sampler knows nothing of steps, advantages or the trainer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from prime_rl.chat import TemplateError, assistant_span, check_extension, end_of_turn_ids, render_ids, PROBE_CHAT
+from prime_rl.config import SamplingConfig
+from prime_rl.envs import Messages, ModelReply, PromptTooLong, Turn
+
+from orchestrator.client import InferenceClient
+
+
+class TokenSampler:
+    def __init__(self, client: InferenceClient, tokenizer, sampling: SamplingConfig, seq_len: int, per_turn: bool = False):
+        self.client = client
+        self.tokenizer = tokenizer
+        self.sampling = sampling
+        self.seq_len = seq_len
+        self.per_turn = per_turn
+        self._end_of_turn = end_of_turn_ids(tokenizer)
+
+    async def reply(self, messages: Messages, context: Sequence[Turn], n: int = 1) -> list[ModelReply]:
+        """``n`` replies to ``messages``, whose earlier turns were sampled as ``context``."""
+        if context and not self.per_turn:
+            prefix = [t for turn in context for t in (*turn.prompt_ids, *turn.completion_ids)]
+            new = self.bridge(messages, context[-1])
+            prompt = prefix + new
+        else:
+            prompt = new = render_ids(self.tokenizer, messages, add_generation_prompt=True)
+        room = self.seq_len - len(prompt)
+        if room < 1:
+            raise PromptTooLong(f"the prompt has {len(prompt)} tokens; seq_len is {self.seq_len}")
+        results = await self.client.complete_n(
+            prompt, n=n, max_tokens=min(self.sampling.max_tokens, room), temperature=self.sampling.temperature
+        )
+        return [
+            ModelReply(r.text, r.finish_reason, Turn(list(new), r.completion_ids, r.completion_logprobs)) for r in results
+        ]
+
+    def bridge(self, messages: Messages, last: Turn) -> list[int]:
+        """Tokens between the last assistant turn's sampled tokens and the next generation:
+        the template's closing of that turn (just its glue when the model emitted the
+        end-of-turn token itself), then the messages after it and the generation prompt."""
+        j = max(i for i, m in enumerate(messages) if m.get("role") == "assistant")
+        upto, _, end, close = assistant_span(self.tokenizer, messages, j)
+        full = render_ids(self.tokenizer, messages, add_generation_prompt=True)
+        if full[: len(upto)] != upto:
+            raise TemplateError(
+                f"the chat template re-renders assistant message {j} once later messages follow; "
+                "set orchestrator.multi_turn = \"per_turn\"", j
+            )
+        emitted_end = bool(last.completion_ids) and last.completion_ids[-1] in self._end_of_turn
+        return upto[end if emitted_end else close :] + full[len(upto) :]
+
+
+def check_multi_turn_template(tokenizer, model: str) -> None:
+    """Refuse a chat template that rewrites earlier turns (one message: model, turn, fix)."""
+    try:
+        check_extension(tokenizer, PROBE_CHAT)
+    except TemplateError as e:
+        turn = "" if e.index is None else f" at message {e.index} ({PROBE_CHAT[e.index]['role']})"
+        raise TemplateError(
+            f"model {model!r}: its chat template is non-increasing: {e}{turn}; it rewrites earlier turns "
+            "(Qwen3 and DeepSeek-R1 templates strip <think> blocks from earlier assistant messages), so a "
+            "multi-turn rollout cannot be trained as one sequence. Fix: set `orchestrator.multi_turn = "
+            "\"per_turn\"` to train each turn as its own sample, or use a chat template that keeps earlier turns",
+            e.index,
+        ) from None

@@ -1,0 +1,211 @@
+"""Environment base classes: the rollout loop, exact-token bookkeeping and scoring.
+
+Users subclass ``SingleTurnEnv`` (one model call, then the rubric) or ``MultiTurnEnv``
+(implement ``env_response`` and, if the episode can end early, ``is_completed``). The loop,
+the per-turn tokens and the scoring belong to the base class:
+
+    state = initial_state(example); setup_state(state)
+    loop:   reply = model(messages)                       # exact tokens of this turn kept
+            messages += [assistant reply]
+            stop if is_completed(messages, state) or max_turns reached
+            messages += env_response(messages, state)     # in the sequence, out of the loss
+    score = rubric(prompt, completion, answer, info, state, ...)
+
+The first model call of a group is one request for all of its rollouts (they share the
+prompt); each rollout then continues on its own. An environment never sees tokenizers,
+sampling settings or the trainer: it talks to a ``ModelClient``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+from prime_rl.envs.parser import Parser
+from prime_rl.envs.rubric import Rubric
+from prime_rl.envs.types import Example, Messages, ModelClient, ModelReply, PromptTooLong, Rollout, State
+
+DatasetLike = Iterable[Mapping[str, Any] | Example] | Callable[[], Iterable[Mapping[str, Any] | Example]]
+"""A list of rows (dicts), an HF ``datasets.Dataset``, or a zero-argument function building one."""
+
+
+class Environment:
+    """A dataset of examples, a rubric that scores rollouts, and the rollout loop."""
+
+    max_turns: int = 1
+
+    def __init__(
+        self,
+        dataset: DatasetLike | None = None,
+        eval_dataset: DatasetLike | None = None,
+        system_prompt: str | None = None,
+        few_shot: Messages | None = None,
+        parser: Parser | None = None,
+        rubric: Rubric | None = None,
+        max_turns: int | None = None,
+    ):
+        if dataset is None and eval_dataset is None:
+            raise ValueError("an environment needs a `dataset` (or at least an `eval_dataset`)")
+        self.system_prompt = system_prompt
+        self.few_shot = list(few_shot or [])
+        self.parser = parser if parser is not None else (rubric.parser if rubric is not None else Parser())
+        self.rubric = rubric if rubric is not None else Rubric(parser=self.parser)
+        if max_turns is not None:
+            self.max_turns = max_turns
+        self.dataset: list[Example] = self.format_dataset(dataset) if dataset is not None else []
+        self.eval_dataset: list[Example] | None = self.format_dataset(eval_dataset) if eval_dataset is not None else None
+
+    # ----------------------------------------------------------------------- data
+
+    def format_dataset(self, rows: DatasetLike) -> list[Example]:
+        """Rows -> examples: a row has `prompt` (messages) or `question` (a string), and
+        optionally `answer`, `info` (a dict or its JSON) and `task`. The system prompt and
+        few-shot messages go first unless the prompt already starts with a system message."""
+        if callable(rows) and not isinstance(rows, Sequence):
+            rows = rows()
+        examples = []
+        for index, row in enumerate(rows):
+            examples.append(row if isinstance(row, Example) else self._example(index, row))
+        return examples
+
+    def _example(self, index: int, row: Mapping[str, Any]) -> Example:
+        if row.get("prompt") is not None:
+            prompt = [dict(m) for m in row["prompt"]]
+        elif row.get("question") is not None:
+            prompt = [{"role": "user", "content": str(row["question"])}]
+        else:
+            raise ValueError(f"dataset row {index} has neither `prompt` (messages) nor `question`: keys {sorted(row)}")
+        if not prompt or prompt[0].get("role") != "system":
+            head = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+            prompt = head + [dict(m) for m in self.few_shot] + prompt
+        info = row.get("info") or {}
+        if isinstance(info, str):
+            info = json.loads(info) if info.strip() else {}
+        return Example(index, prompt, str(row.get("answer") or ""), dict(info), str(row.get("task") or "default"))
+
+    def eval_examples(self, n: int = -1) -> list[Example]:
+        """The first ``n`` examples of the eval split (all when ``n`` < 0); the training split
+        when the environment has no eval split."""
+        examples = self.eval_dataset if self.eval_dataset is not None else self.dataset
+        return list(examples if n < 0 else examples[:n])
+
+    # ----------------------------------------------------------------------- rollouts
+
+    def initial_state(self, example: Example) -> State:
+        return {
+            "example_id": example.id,
+            "prompt": example.prompt,
+            "answer": example.answer,
+            "info": example.info,
+            "task": example.task,
+            "turn": 0,
+            "completion": [],
+            "responses": [],
+        }
+
+    async def rollout(self, client: ModelClient, example: Example) -> Rollout:
+        return (await self.rollout_group(client, example, 1))[0]
+
+    async def rollout_group(self, client: ModelClient, example: Example, n: int) -> list[Rollout]:
+        """``n`` scored rollouts of one example; the first turn is one request with ``n`` replies."""
+        try:
+            first = await client.reply(example.prompt, [], n)
+        except PromptTooLong:
+            first = [None] * n
+        return list(await asyncio.gather(*(self._play(client, example, reply) for reply in first)))
+
+    async def _play(self, client: ModelClient, example: Example, reply: ModelReply | None) -> Rollout:
+        state = await maybe_await(self.setup_state(self.initial_state(example)))
+        messages = list(example.prompt)
+        turns, stop = [], "prompt_too_long"
+        while reply is not None:
+            # the model's turn: its exact tokens are kept, its text joins the conversation
+            messages.append({"role": "assistant", "content": reply.text})
+            if reply.turn is not None:
+                turns.append(reply.turn)
+            state["turn"] += 1
+            state["responses"].append(reply)
+            state["completion"] = messages[len(example.prompt):]
+            # stop conditions: the environment's, then the turn budget
+            stop = await self.stop_condition(messages, state)
+            if stop is not None:
+                break
+            # the environment's turn: its messages are in the sequence, out of the loss
+            messages.extend(await self._env_response(messages, state))
+            state["completion"] = messages[len(example.prompt):]
+            try:
+                (reply,) = await client.reply(messages, turns, 1)
+            except PromptTooLong:
+                stop = "prompt_too_long"
+                reply = None
+        state["completion"] = messages[len(example.prompt):]
+        score = await self.rubric.score(state)
+        return Rollout(
+            example_id=example.id,
+            turns=turns,
+            reward=score.reward,
+            prompt=list(example.prompt),
+            completion=state["completion"],
+            metrics=score.metrics,
+            errors=score.errors,
+            stop_condition=stop,
+            finish_reason=state["responses"][-1].finish_reason if state["responses"] else None,
+            state=state,
+        )
+
+    async def stop_condition(self, messages: Messages, state: State) -> str | None:
+        """`completed` when ``is_completed`` says so, `max_turns` once the budget is used."""
+        if await maybe_await(self.is_completed(messages, state)):
+            return "completed"
+        if 0 < self.max_turns <= state["turn"]:
+            return "max_turns"
+        return None
+
+    async def _env_response(self, messages: Messages, state: State) -> Messages:
+        result = await maybe_await(self.env_response(messages, state))
+        if isinstance(result, tuple):  # the classic API returned (messages, state)
+            result, new_state = result
+            if new_state is not None and new_state is not state:
+                state.update(new_state)
+        if isinstance(result, dict):
+            result = [result]
+        if not isinstance(result, list) or not all(isinstance(m, dict) and "role" in m for m in result):
+            raise TypeError(f"{type(self).__name__}.env_response must return a list of messages, got {result!r}")
+        return result
+
+    # ----------------------------------------------------------------------- hooks
+
+    def setup_state(self, state: State) -> State:
+        """Called once per rollout before its first turn is processed (sync or async)."""
+        return state
+
+    def is_completed(self, messages: Messages, state: State) -> bool:
+        """True once the episode is over (sync or async); checked after every model turn."""
+        return False
+
+    def env_response(self, messages: Messages, state: State) -> Messages:
+        """The environment's reply to the model's last message (sync or async)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement env_response(messages, state)")
+
+
+class SingleTurnEnv(Environment):
+    """One model call per rollout, then the rubric."""
+
+    def __init__(self, **kwargs: Any):
+        kwargs.pop("max_turns", None)
+        super().__init__(max_turns=1, **kwargs)
+
+
+class MultiTurnEnv(Environment):
+    """A conversation: implement ``env_response`` (and ``is_completed`` if it can end before
+    ``max_turns``; ``max_turns`` <= 0 means no limit but the model's context)."""
+
+    def __init__(self, max_turns: int = 10, **kwargs: Any):
+        super().__init__(max_turns=max_turns, **kwargs)
+
+
+async def maybe_await(value: Any) -> Any:
+    return await value if inspect.isawaitable(value) else value

@@ -1,0 +1,120 @@
+"""The data an environment works with: examples, model replies, exact tokens, rollouts.
+
+Plain dataclasses and one protocol; nothing here knows how a model is served.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+Messages = list[dict[str, Any]]
+"""Chat messages in the OpenAI format: ``[{"role": "user", "content": "..."}, ...]``."""
+
+State = dict[str, Any]
+"""One rollout's mutable state (see ``Environment.initial_state`` for its keys)."""
+
+
+@dataclass(frozen=True)
+class Example:
+    id: int
+    """Index of the example in its dataset."""
+
+    prompt: Messages
+    """Chat messages the first model call sees (system prompt included)."""
+
+    answer: str = ""
+    """Reference answer, for the reward functions."""
+
+    info: dict[str, Any] = field(default_factory=dict)
+    """Anything else the environment needs to play or score the episode."""
+
+    task: str = "default"
+    """Task label (a dataset may mix several)."""
+
+
+@dataclass(frozen=True)
+class Turn:
+    """The exact tokens of one model call. Concatenating every turn's ``prompt_ids +
+    completion_ids`` in order gives the rollout's token sequence: ``prompt_ids`` of turn
+    k > 0 holds only the tokens added since turn k-1's completion (environment and user
+    messages, template glue), never the history again (unless the run trains each turn as
+    its own sample, where it is the whole prompt)."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    completion_logprobs: list[float]
+    """Sampler logprob of each completion token (same length as ``completion_ids``)."""
+
+
+@dataclass(frozen=True)
+class ModelReply:
+    text: str
+    """The assistant message's content."""
+
+    finish_reason: str | None
+    """`stop` (end of turn) or `length` (hit the token limit)."""
+
+    turn: Turn | None = None
+    """Exact tokens and logprobs; None from a text-only endpoint (evaluation of an API model)."""
+
+
+class PromptTooLong(Exception):
+    """The conversation no longer fits the model's context: the rollout must stop."""
+
+
+@runtime_checkable
+class ModelClient(Protocol):
+    """What an environment calls to get the model's next message. The orchestrator's
+    implementation renders ``messages`` with the model's chat template, extends the exact
+    tokens of ``context`` (this rollout's previous turns) and samples ``n`` replies."""
+
+    async def reply(self, messages: Messages, context: Sequence[Turn], n: int = 1) -> list[ModelReply]: ...
+
+
+@dataclass
+class Rollout:
+    example_id: int
+    turns: list[Turn]
+    """Exact tokens of every model call, in order (empty from a text-only endpoint)."""
+
+    reward: float
+    """Weighted sum of the rubric's reward functions."""
+
+    prompt: Messages = field(default_factory=list)
+    completion: Messages = field(default_factory=list)
+    """Every message after the prompt: the model's and the environment's, in order."""
+
+    metrics: dict[str, float] = field(default_factory=dict)
+    """Raw value of every rubric function (reward functions and metrics), by name."""
+
+    errors: tuple[str, ...] = ()
+    """Names of the rubric functions that raised for this rollout (they scored 0)."""
+
+    stop_condition: str = ""
+    """Why the episode ended: `completed`, `max_turns` or `prompt_too_long`."""
+
+    finish_reason: str | None = None
+    """`stop` or `length` of the last model call."""
+
+    state: State = field(default_factory=dict, repr=False, compare=False)
+    """The final state (not sent anywhere; for logs and tests)."""
+
+    @property
+    def completion_text(self) -> str:
+        """Content of the last assistant message."""
+        replies = [m for m in self.completion if m.get("role") == "assistant"]
+        return str(replies[-1].get("content") or "") if replies else ""
+
+    @property
+    def num_turns(self) -> int:
+        return sum(m.get("role") == "assistant" for m in self.completion) or len(self.turns)
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(len(t.completion_ids) for t in self.turns)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(len(t.prompt_ids) + len(t.completion_ids) for t in self.turns)
