@@ -1,10 +1,21 @@
-"""Write the warm-up SFT data: reverse-text chats with the reference answer as the reply.
+"""Write the warm-up SFT data: an environment's prompts with correct replies.
 
-    python scripts/make_sft_data.py OUT.jsonl [--num-examples 2000] [--seed 1]
+    python scripts/make_sft_data.py OUT.jsonl [--env reverse-text] [--num-examples 2000]
+                                    [--seed N] [--args '{"answer_format": "hash"}']
 
-One `{"messages": [system, user, assistant]}` per line, drawn from the reverse-text
-environment's own generator (same prompt format as RL), with a different seed than
-RL's default 0 so the warm-up does not simply memorize the RL prompts.
+One `{"messages": [...]}` per line, drawn from the environment's own generator (same
+prompt format as RL), with a different seed than RL's default so the warm-up does not
+simply memorize the RL prompts:
+
+- reverse-text: `[system, user, assistant]`, the reversed text as the reply (seed 1; RL: 0);
+- alphabet-sort: the whole conversation (every turn's correct sorted list and the
+  follow-ups between them; seed 1337421, RL: 1337420);
+- gsm8k: generated problems (unless `--args` names a `source` or `data_path`) with their
+  worked solution ending in the requested answer format, `\\boxed{N}` or `#### N`
+  (seed 1; RL: 0).
+
+`--args` takes the environment's arguments as JSON (as `args` in an `[[env]]` entry); the
+seed is `--seed`, not an entry of `--args`.
 """
 
 from __future__ import annotations
@@ -14,29 +25,73 @@ import json
 import os
 from pathlib import Path
 
-from orchestrator.envs.reverse_text import load_environment
+ENVS = ("reverse-text", "alphabet-sort", "gsm8k")
+DEFAULT_SEEDS = {"reverse-text": 1, "alphabet-sort": 1337421, "gsm8k": 1}  # RL: 0, 1337420, 0
 
 
-def sft_chats(num_examples: int, seed: int) -> list[dict]:
-    env = load_environment(num_examples=num_examples, seed=seed)
+def sft_chats(num_examples: int, seed: int, args: dict | None = None) -> list[dict]:
+    """reverse-text chats: the prompt and the reversed text."""
+    from orchestrator.envs.reverse_text import load_environment
+
+    env = load_environment(**{**(args or {}), "num_examples": num_examples, "seed": seed})
     return [
         {"messages": [*example.prompt, {"role": "assistant", "content": example.answer}]} for example in env.dataset
     ]
 
 
+def alphabet_sort_chats(num_examples: int, seed: int, args: dict) -> list[dict]:
+    from orchestrator.envs.alphabet_sort import demonstration, load_environment
+
+    env = load_environment(**{"num_eval_examples": 0, **args, "num_examples": num_examples, "seed": seed})
+    return [{"messages": demonstration(example)} for example in env.dataset]
+
+
+def gsm8k_chats(num_examples: int, seed: int, args: dict) -> list[dict]:
+    from orchestrator.envs.gsm8k import demonstration, load_environment
+
+    defaults = {"num_eval_examples": 0}
+    if "data_path" not in args:
+        defaults["source"] = "generated"
+    env = load_environment(**{**defaults, **args, "num_train_examples": num_examples, "seed": seed})
+    return [{"messages": demonstration(example)} for example in env.dataset]
+
+
+def chats_for(env: str, num_examples: int, seed: int, args: dict) -> list[dict]:
+    if env == "reverse-text":
+        return sft_chats(num_examples, seed, args)
+    if env == "alphabet-sort":
+        return alphabet_sort_chats(num_examples, seed, args)
+    return gsm8k_chats(num_examples, seed, args)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("output", type=Path, help="JSONL file to write")
+    parser.add_argument("--env", choices=ENVS, default="reverse-text", help="environment (default reverse-text)")
     parser.add_argument("--num-examples", type=int, default=2000, help="number of chats")
-    parser.add_argument("--seed", type=int, default=1, help="generator seed (RL data uses 0)")
+    parser.add_argument("--seed", type=int, default=None, help="generator seed (default: RL's default + 1)")
+    parser.add_argument("--args", type=json.loads, default={}, help="environment args as a JSON object")
     args = parser.parse_args()
+    if not isinstance(args.args, dict):
+        parser.error(f"--args must be a JSON object, got {args.args!r}")
+    if "seed" in args.args:
+        parser.error("give the seed with --seed, not in --args")
+    if "num_examples" in args.args or "num_train_examples" in args.args:
+        parser.error("give the number of chats with --num-examples, not in --args")
+    if args.num_examples < 1:
+        parser.error(f"--num-examples must be >= 1, got {args.num_examples}")
+    seed = DEFAULT_SEEDS[args.env] if args.seed is None else args.seed
+    try:
+        chats = chats_for(args.env, args.num_examples, seed, args.args)
+    except (TypeError, ValueError, RuntimeError) as e:  # bad --args, or data that cannot be loaded
+        parser.error(str(e) if str(e).startswith(args.env) else f"{args.env}: {e}")
     args.output.parent.mkdir(parents=True, exist_ok=True)
     tmp = args.output.with_name(args.output.name + ".tmp")  # readers never see a half-written file
     with open(tmp, "w") as f:
-        for chat in sft_chats(args.num_examples, args.seed):
+        for chat in chats:
             f.write(json.dumps(chat) + "\n")
     os.replace(tmp, args.output)
-    print(f"wrote {args.num_examples} chats to {args.output}")
+    print(f"wrote {len(chats)} chats to {args.output}")
 
 
 if __name__ == "__main__":
