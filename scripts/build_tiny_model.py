@@ -4,6 +4,7 @@ The folder it writes (config.json, generation_config.json, model.safetensors, to
 loads with `transformers.AutoModelForCausalLM` / `AutoTokenizer` and with vLLM, with no hub access.
 
     python scripts/build_tiny_model.py OUT_DIR [--hidden-size 64] [--num-layers 2] [--seed 0] [--head-dim 32]
+                                       [--chat-template chatml|think-stripping]
 """
 
 from __future__ import annotations
@@ -18,13 +19,30 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
+# ChatML like CHAT_TEMPLATE, but assistant messages before the last user message lose their
+# <think>...</think> block, as Qwen3's and DeepSeek-R1's templates do: a "non-increasing"
+# template, which multi-turn training must detect (tests use it).
+THINK_STRIPPING_TEMPLATE = (
+    "{% set ns = namespace(last_user=-1) %}"
+    "{% for message in messages %}{% if message['role'] == 'user' %}{% set ns.last_user = loop.index0 %}{% endif %}{% endfor %}"
+    "{% for message in messages %}"
+    "{% set content = message['content'] %}"
+    "{% if message['role'] == 'assistant' and loop.index0 < ns.last_user and '</think>' in content %}"
+    "{% set content = content.split('</think>')[-1].lstrip('\n') %}"
+    "{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n{{ content }}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+CHAT_TEMPLATES = {"chatml": CHAT_TEMPLATE, "think-stripping": THINK_STRIPPING_TEMPLATE}
+
 PAD_TOKEN = "<|endoftext|>"
 BOS_TOKEN = "<|im_start|>"
 EOS_TOKEN = "<|im_end|>"
 SPECIAL_TOKENS = [PAD_TOKEN, BOS_TOKEN, EOS_TOKEN]
 
 
-def build_tokenizer():
+def build_tokenizer(chat_template: str = CHAT_TEMPLATE):
     """Pure byte-level tokenizer: 256 byte symbols, no merges, plus 3 special tokens (259 ids)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -47,7 +65,7 @@ def build_tokenizer():
         unk_token=None,
         clean_up_tokenization_spaces=False,
     )
-    fast.chat_template = CHAT_TEMPLATE
+    fast.chat_template = chat_template
     return fast
 
 
@@ -71,7 +89,12 @@ VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 
 def build_tiny_model(
-    out_dir: Path, hidden_size: int = 64, num_layers: int = 2, seed: int = 0, head_dim: int = 32
+    out_dir: Path,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    seed: int = 0,
+    head_dim: int = 32,
+    chat_template: str = "chatml",
 ) -> Path:
     """Build and save the tiny model + tokenizer to `out_dir`; returns `out_dir`.
 
@@ -89,7 +112,8 @@ def build_tiny_model(
     for stale in out_dir.glob("model*.safetensors*"):  # a previous (possibly sharded) build
         stale.unlink()
 
-    tokenizer = build_tokenizer()
+    template = CHAT_TEMPLATES[chat_template]
+    tokenizer = build_tokenizer(template)
     pad_id = tokenizer.convert_tokens_to_ids(PAD_TOKEN)
     eos_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
     vocab_size = (len(tokenizer) + 7) // 8 * 8
@@ -116,11 +140,11 @@ def build_tiny_model(
     model.generation_config = GenerationConfig(eos_token_id=eos_id, pad_token_id=pad_id, bos_token_id=None)
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
-    _make_tokenizer_config_portable(out_dir)
+    _make_tokenizer_config_portable(out_dir, template)
     return out_dir
 
 
-def _make_tokenizer_config_portable(out_dir: Path) -> None:
+def _make_tokenizer_config_portable(out_dir: Path, template: str) -> None:
     """transformers 5 writes `tokenizer_class: TokenizersBackend`, which transformers 4.x (the
     CUDA dependency group allows it) cannot resolve; `PreTrainedTokenizerFast` is the same class
     in 5.x and exists in 4.x. The chat template is also inlined for 4.x releases that do not
@@ -130,7 +154,7 @@ def _make_tokenizer_config_portable(out_dir: Path) -> None:
     path = out_dir / "tokenizer_config.json"
     cfg = json.loads(path.read_text())
     cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
-    cfg["chat_template"] = CHAT_TEMPLATE
+    cfg["chat_template"] = template
     path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
 
 
@@ -151,10 +175,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-layers", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--head-dim", type=int, default=32, choices=VLLM_CPU_HEAD_SIZES)
+    parser.add_argument("--chat-template", default="chatml", choices=sorted(CHAT_TEMPLATES))
     args = parser.parse_args(argv)
 
     out = build_tiny_model(
-        args.out_dir, hidden_size=args.hidden_size, num_layers=args.num_layers, seed=args.seed, head_dim=args.head_dim
+        args.out_dir,
+        hidden_size=args.hidden_size,
+        num_layers=args.num_layers,
+        seed=args.seed,
+        head_dim=args.head_dim,
+        chat_template=args.chat_template,
     )
     n_params = count_params(out)
     print(

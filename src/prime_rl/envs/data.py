@@ -54,7 +54,13 @@ def load_rows(
             return generate(), f"generated offline (hub {hub_id} unreachable: {reason})"
         hint = "source='generated' or " if generate is not None else ""
         raise DatasetUnavailable(f"dataset {hub_id} is unreachable ({reason}); pass {hint}data_path=FILE (JSONL rows)")
-    return read_hub(hub_id, hub_config, split), f"hub {hub_id}" + (f" ({hub_config})" if hub_config else "") + f" split {split}"
+    try:
+        rows = read_hub(hub_id, hub_config, split)
+    except DatasetUnavailable as e:  # e.g. offline mode without a cached copy
+        if source == "auto" and generate is not None:
+            return generate(), f"generated offline ({e})"
+        raise
+    return rows, f"hub {hub_id}" + (f" ({hub_config})" if hub_config else "") + f" split {split}"
 
 
 def hub_unreachable(hub_id: str) -> str | None:

@@ -19,6 +19,7 @@ sampling settings or the trainer: it talks to a ``ModelClient``.
 from __future__ import annotations
 
 import asyncio
+import copy
 import inspect
 import json
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -57,6 +58,8 @@ class Environment:
             self.max_turns = max_turns
         self.dataset: list[Example] = self.format_dataset(dataset) if dataset is not None else []
         self.eval_dataset: list[Example] | None = self.format_dataset(eval_dataset) if eval_dataset is not None else None
+        if not self.eval_dataset:
+            self.eval_dataset = None  # no eval split: evaluation uses the training examples
 
     # ----------------------------------------------------------------------- data
 
@@ -84,7 +87,8 @@ class Environment:
         info = row.get("info") or {}
         if isinstance(info, str):
             info = json.loads(info) if info.strip() else {}
-        return Example(index, prompt, str(row.get("answer") or ""), dict(info), str(row.get("task") or "default"))
+        answer, task = row.get("answer"), row.get("task")
+        return Example(index, prompt, "" if answer is None else str(answer), dict(info), "default" if task is None else str(task))
 
     def eval_examples(self, n: int = -1) -> list[Example]:
         """The first ``n`` examples of the eval split (all when ``n`` < 0); the training split
@@ -95,11 +99,13 @@ class Environment:
     # ----------------------------------------------------------------------- rollouts
 
     def initial_state(self, example: Example) -> State:
+        """A fresh state: the example's fields (copies, so a rollout may change them), the
+        number of model turns so far, the completion messages and the model's replies."""
         return {
             "example_id": example.id,
-            "prompt": example.prompt,
+            "prompt": copy.deepcopy(example.prompt),
             "answer": example.answer,
-            "info": example.info,
+            "info": copy.deepcopy(example.info),
             "task": example.task,
             "turn": 0,
             "completion": [],
@@ -183,7 +189,8 @@ class Environment:
         return state
 
     def is_completed(self, messages: Messages, state: State) -> bool:
-        """True once the episode is over (sync or async); checked after every model turn."""
+        """True once the episode is over (sync or async); checked after every model turn,
+        before ``env_response`` (so a game that ends on the model's move ends here)."""
         return False
 
     def env_response(self, messages: Messages, state: State) -> Messages:
