@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from helpers import REPO
-from prime_rl.config import KNOWN_ENVIRONMENTS, RLConfig, SFTConfig
+from prime_rl.config import KNOWN_ENVIRONMENTS, EvalRunConfig, RLConfig, SFTConfig
+from prime_rl.endpoints import load_endpoints
 from prime_rl.settings import ConfigError, load_config, parse_flags
 
 FLAT_FORM = """
@@ -36,7 +37,10 @@ def test_every_shipped_toml_parses():
     configs = sorted((REPO / "configs").rglob("*.toml"))
     assert configs, "no configs shipped"
     for path in configs:
-        cls = SFTConfig if path.stem.startswith("sft") else RLConfig
+        if path.name == "endpoints.toml":  # the endpoint registry of `prime-rl eval`, not a run config
+            load_endpoints(path)
+            continue
+        cls = EvalRunConfig if path.parent.name == "eval" else SFTConfig if path.stem.startswith("sft") else RLConfig
         load_config(cls, [path], [])
 
 

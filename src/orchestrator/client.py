@@ -99,6 +99,32 @@ class InferenceClient:
             raise InferenceError(f"asked for {n} choices, the server returned {len(results)}")
         return results
 
+    async def chat_text_n(
+        self, messages: list[dict[str, Any]], *, n: int, max_tokens: int | None, temperature: float | None
+    ) -> list[tuple[str, str | None]]:
+        """``n`` replies of a text-only OpenAI-compatible chat API (an API model under eval):
+        ``(content, finish_reason)`` of every choice, in order; no tokens, no vLLM fields.
+        Settings left at None are the server's. The base URL may end in ``/v1`` (an endpoint's,
+        as written in endpoints.toml) or not (a vLLM server's)."""
+        body: dict[str, Any] = {"model": self.model_name, "messages": messages, "n": n}
+        if max_tokens is not None:
+            body["max_tokens"] = max_tokens
+        if temperature is not None:
+            body["temperature"] = temperature
+        path = "/chat/completions" if self.base_url.endswith("/v1") else "/v1/chat/completions"
+        async with self._slots:
+            response = await self._post(path, json=body)
+        try:
+            payload = response.json()
+        except ValueError:
+            raise InferenceError(f"POST {self.base_url}{path} answered non-JSON: {response.text[:200]!r}") from None
+        choices = sorted(payload.get("choices") or [], key=lambda c: c.get("index", 0))
+        if len(choices) != n:
+            raise InferenceError(
+                f"POST {self.base_url}{path}: asked for {n} choices, got {len(choices)} (does the server support `n`?)"
+            )
+        return [((c.get("message") or {}).get("content") or "", c.get("finish_reason")) for c in choices]
+
     async def complete_n(
         self, prompt_ids: list[int], *, n: int, max_tokens: int, temperature: float
     ) -> list[ChatResult]:

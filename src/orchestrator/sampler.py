@@ -12,7 +12,10 @@ With ``per_turn`` (for chat templates that rewrite earlier turns), each turn's p
 instead the template's fresh rendering of the whole conversation, and each turn becomes
 its own training sample.
 
-The sampler knows nothing of steps, advantages or the trainer.
+``ChatSampler`` is the text-only counterpart for evaluating API models (``prime-rl eval``
+with an endpoint): chats go out as messages, text comes back, no tokens.
+
+The samplers know nothing of steps, advantages or the trainer.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from prime_rl.chat import TemplateError, assistant_span, check_extension, end_of_turn_ids, render_ids, PROBE_CHAT
-from prime_rl.config import SamplingConfig
+from prime_rl.config import EvalSamplingConfig, SamplingConfig
 from prime_rl.envs import Messages, ModelReply, PromptTooLong, Turn
 
 from orchestrator.client import InferenceClient
@@ -82,3 +85,23 @@ def check_multi_turn_template(tokenizer, model: str) -> None:
             "\"per_turn\"` to train each turn as its own sample, or use a chat template that keeps earlier turns",
             e.index,
         ) from None
+
+
+class ChatSampler:
+    """The environments' ``ModelClient`` for a text-only endpoint (evaluation of an API model).
+
+    The messages go to the chat completions API as they are and the replies come back as
+    text: the server applies its own template, and no tokens or logprobs come back
+    (``ModelReply.turn`` is None), so nothing sampled here can be trained on. ``context``
+    is not needed: the messages hold the whole conversation.
+    """
+
+    def __init__(self, client: InferenceClient, sampling: EvalSamplingConfig):
+        self.client = client
+        self.sampling = sampling
+
+    async def reply(self, messages: Messages, context: Sequence[Turn], n: int = 1) -> list[ModelReply]:
+        results = await self.client.chat_text_n(
+            messages, n=n, max_tokens=self.sampling.max_tokens, temperature=self.sampling.temperature
+        )
+        return [ModelReply(text, finish_reason, turn=None) for text, finish_reason in results]

@@ -3,7 +3,8 @@
     prime-rl CONFIG.toml [--dotted.flags ...] [--no-tmux] [--dry-run] [--clean]   RL run (the trio)
     prime-rl CONFIG.toml --resume | --resume-step N [...]                        continue a run
     prime-rl sft CONFIG.toml [--dotted.flags ...]                                 supervised fine-tuning
-    prime-rl [sft] --help                                                         every setting, with its doc
+    prime-rl eval ENV_ID|CONFIG.toml [-m MODEL] [-n N] [-r R] [-s] [...]          evaluate a model
+    prime-rl [sft|eval] --help                                                    every setting, with its doc
 
 Configs are validated, and model paths checked, before any process starts; a bad
 config exits with code 2 and one line per problem. The resolved config of each
@@ -12,13 +13,21 @@ process is written to RUN/configs/ and is what that process reads.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
+import time
+import uuid
 from pathlib import Path
+from typing import Any
 
-from prime_rl.config import RLConfig, SFTConfig, check_model_path
+from pydantic import ValidationError
+
+from prime_rl.config import EvalRunConfig, EvalTarget, RLConfig, SFTConfig, check_model_path
+from prime_rl.endpoints import Endpoint, load_endpoints
 from prime_rl.launcher import ProcessSpec, run, tmux_available
 from prime_rl.resume import ResumeRefused, check_resumable, choose_resume_step, rewind
 from prime_rl.rundir import (
@@ -31,7 +40,16 @@ from prime_rl.rundir import (
     weights_step_dir,
     write_json_atomic,
 )
-from prime_rl.settings import ConfigError, help_text, load_config, split_argv
+from prime_rl.settings import (
+    ConfigError,
+    deep_merge,
+    format_validation_error,
+    help_text,
+    load_config,
+    parse_flags,
+    read_config_file,
+    split_argv,
+)
 
 LAUNCHER_FLAGS = {
     "--no-tmux": "run headless: one log file per process under RUN/logs/ (default when tmux is missing)",
@@ -47,6 +65,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if argv[:1] == ["sft"]:
             sys.exit(sft(argv[1:]))
+        if argv[:1] == ["eval"]:
+            sys.exit(evaluate(argv[1:]))
         if argv[:1] == ["rl"]:
             argv = argv[1:]
         sys.exit(rl(argv))
@@ -60,7 +80,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def rl(argv: list[str]) -> int:
     if not argv or "--help" in argv or "-h" in argv:
-        print_help("prime-rl CONFIG.toml [flags]", RLConfig, LAUNCHER_FLAGS)
+        print_help("prime-rl CONFIG.toml [flags]   (also: prime-rl sft --help, prime-rl eval --help)", RLConfig, LAUNCHER_FLAGS)
         return 0
     argv, resume_step = take_resume_step(argv)
     launcher_flags = {flag for flag in LAUNCHER_FLAGS if flag in argv}
@@ -196,6 +216,191 @@ def sft(argv: list[str]) -> int:
         return subprocess.call(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     except KeyboardInterrupt:
         return 130
+
+
+# --------------------------------------------------------------------------- eval
+
+# option -> (the setting it sets, its help); -a/--env-args fills the [[eval]] entry's `args`.
+EVAL_OPTIONS: dict[str, tuple[str | None, str]] = {
+    "-m/--model": ("model", "endpoint name from --endpoints-path, or a local model folder (a run's weights/step_N too) or HF id, served by a vLLM server started and stopped for the eval (default: gpt-4.1-mini)"),
+    "-n/--num-examples": ("num-examples", "examples per environment, the first ones of its eval split (default 5; -1 = all)"),
+    "-r/--rollouts-per-example": ("rollouts-per-example", "rollouts per example (default 3)"),
+    "-a/--env-args": (None, "JSON object passed to the environment's load_environment(), e.g. '{\"min_len\": 5}'"),
+    "-t/--max-tokens": ("sampling.max-tokens", "maximum completion tokens per turn (default: the server's)"),
+    "-T/--temperature": ("sampling.temperature", "sampling temperature (default: the server's; 0 = greedy)"),
+    "-s/--save-results": ("save-results", "write results.jsonl and summary.json to OUTPUT_DIR/<env>--<model>/<run>/"),
+}
+EVAL_USAGE = "prime-rl eval ENV_ID|CONFIG.toml [options] [--dotted.flags ...]"
+
+
+def evaluate(argv: list[str]) -> int:
+    """`prime-rl eval`: validate, resolve the model, then run the eval process (and, for a local
+    model, a vLLM server beside it) under the launcher, the eval process on the terminal."""
+    if not argv or "--help" in argv or "-h" in argv:
+        print_eval_help()
+        return 0
+    config = load_eval_config(argv)
+    config.target = resolve_eval_target(config)
+    config.run_id = config.run_id or f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+    run_dir = config.output_dir / "runs" / config.run_id
+    if run_dir.exists():
+        raise ConfigError(f"run_id: {str(run_dir)!r} exists already; choose another run_id or leave it unset")
+    config.inference.output_dir = run_dir
+    return run(run_dir, eval_process_specs(config, run_dir), use_tmux=False, session_name="", exit_code_from="eval")
+
+
+def load_eval_config(argv: list[str]) -> EvalRunConfig:
+    """Defaults < CONFIG.toml (or one [[eval]] entry of ENV_ID) < options and dotted flags."""
+    first = argv[0]
+    if first.startswith("-"):
+        raise ConfigError(f"expected an environment id or a config file first, got {first!r}: {EVAL_USAGE}")
+    flags, env_args = eval_flags(argv[1:])
+    if Path(first).suffix in (".toml", ".json"):
+        data, source = read_config_file(Path(first)), first
+    else:
+        data, source = {"eval": [{"id": first}]}, "command line"
+    data = deep_merge(data, parse_flags(flags))
+    if env_args is not None:
+        add_env_args(data, env_args, source)
+    try:
+        return EvalRunConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(format_validation_error(e, source)) from None
+    except ValueError as e:
+        raise ConfigError(f"{source}: {e}") from None
+
+
+def eval_flags(args: list[str]) -> tuple[list[str], dict[str, Any] | None]:
+    """Options (`-n 4`, `--max-tokens 64`, `-s`) -> dotted flags; `-a JSON` -> a dict. Other
+    dotted flags (`--inference.port 8123`) pass through."""
+    names = {name: setting for option, (setting, _) in EVAL_OPTIONS.items() for name in option.split("/")}
+    flags, env_args = [], None
+    args = iter(args)
+    for arg in args:
+        name, eq, inline = arg.partition("=")
+        if name not in names:
+            flags.append(arg)
+            continue
+        setting = names[name]
+        if setting == "save-results":  # a switch: never takes the next argument as its value
+            flags.append(f"--save-results={inline or 'true'}")
+            continue
+        value = inline if eq else next(args, None)
+        if value is None:
+            raise ConfigError(f"{name}: expected a value")
+        if setting is None:
+            env_args = parse_env_args(value)
+        else:
+            flags += [f"--{setting}", value]
+    return flags, env_args
+
+
+def parse_env_args(value: str) -> dict[str, Any]:
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"-a/--env-args: not valid JSON ({e}): {value!r}") from None
+    if not isinstance(parsed, dict):
+        raise ConfigError(f"-a/--env-args: expected a JSON object of load_environment() arguments, got {value!r}")
+    return parsed
+
+
+def add_env_args(data: dict[str, Any], env_args: dict[str, Any], source: str) -> None:
+    """Merge `-a` into the args of the only [[eval]] entry (with several, it would be ambiguous)."""
+    entries = data.get("eval")
+    if not isinstance(entries, list) or len(entries) != 1 or not isinstance(entries[0], dict):
+        count = len(entries) if isinstance(entries, list) else 0
+        raise ConfigError(f"-a/--env-args: {source} has {count} [[eval]] entries; set `args` in each entry instead")
+    key = "env_args" if "env_args" in entries[0] else "args"
+    entries[0][key] = {**(entries[0].get(key) or {}), **env_args}
+
+
+def resolve_eval_target(config: EvalRunConfig) -> EvalTarget:
+    """An endpoint of the endpoints file, or a local model for a vLLM server of our own; fills
+    `client.base_url` (and the `inference` section for a local model)."""
+    for field in ("base_url", "api_key"):
+        if field in config.client.model_fields_set:
+            raise ConfigError(f"client.{field}: comes from the endpoint or the local vLLM server; choose the model with -m/--model")
+    endpoint = find_endpoint(config)
+    if endpoint is not None:
+        config.client.base_url = endpoint.url
+        return EvalTarget(type="endpoint", model=endpoint.model, api_key_var=endpoint.key, endpoint_id=endpoint.endpoint_id)
+    inference = config.inference
+    if "model" in inference.model_fields_set and inference.model != config.model:
+        raise ConfigError(f"conflicting values: `model` = {config.model!r} but `inference.model` = {inference.model!r}; set `model` only")
+    inference.model = config.model
+    if "port" not in inference.model_fields_set:
+        inference.port = free_port(inference.host)
+    config.client.base_url = f"http://{inference.host}:{inference.port}"
+    config.client.api_key = inference.api_key
+    # Served under its own path name (vLLM's default), which requests then use.
+    return EvalTarget(type="local", model=inference.served_model_name or config.model)
+
+
+def find_endpoint(config: EvalRunConfig) -> Endpoint | None:
+    """`endpoint_id`, else `model` when it names an endpoint; None for a local folder or HF id."""
+    if config.endpoint_id is not None:
+        if "model" in config.model_fields_set:
+            raise ConfigError(f"conflicting values: `model` = {config.model!r} and `endpoint_id` = {config.endpoint_id!r}; set one of them")
+        return known_endpoint(config.endpoint_id, config, field="endpoint_id")
+    name = config.model
+    if Path(name).expanduser().exists():
+        checked_model_path(name, "model")
+        return None
+    if config.endpoints_path.is_file() and name in (endpoints := load_endpoints(config.endpoints_path)):
+        return endpoints[name]
+    if "/" in name:  # a path (then it must exist) or an HF id `org/name`
+        checked_model_path(name, "model")
+        return None
+    return known_endpoint(name, config, field="model")
+
+
+def known_endpoint(name: str, config: EvalRunConfig, field: str) -> Endpoint:
+    path = config.endpoints_path
+    endpoints = load_endpoints(path) if path.is_file() or field == "endpoint_id" else {}
+    if name not in endpoints:
+        known = f"known: {', '.join(sorted(endpoints))}" if endpoints else f"no endpoints file at {str(path)!r}"
+        local = "; a local model folder or an HF id `org/name` works too" if field == "model" else ""
+        raise ConfigError(f"{field}: unknown endpoint {name!r} in {path} ({known}){local}")
+    return endpoints[name]
+
+
+def free_port(host: str) -> int:
+    """A port free now on `host` (the server binds it moments later)."""
+    with socket.socket() as s:
+        s.bind((host if host not in ("0.0.0.0", "") else "127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def eval_process_specs(config: EvalRunConfig, run_dir: Path) -> list[ProcessSpec]:
+    """The eval process on the terminal; for a local model, vLLM (logged) beside it."""
+    python = sys.executable
+    quiet = {"OMP_WAIT_POLICY": "PASSIVE", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+    specs = []
+    if config.target.type == "local":
+        write_config(config_path(run_dir, "inference"), config.inference.model_dump(mode="json"))
+        specs.append(ProcessSpec("inference", [python, "-m", "inference.server", "--config", str(config_path(run_dir, "inference"))],
+                                 env={}, required=False))
+    write_config(config_path(run_dir, "eval"), config.model_dump(mode="json"))
+    specs.append(ProcessSpec("eval", [python, "-m", "orchestrator.eval", "--config", str(config_path(run_dir, "eval"))],
+                             env=quiet, terminal=True))
+    return specs
+
+
+def write_config(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(path, data)
+
+
+def print_eval_help() -> None:
+    print(f"usage: {EVAL_USAGE}\n")
+    print("Evaluates a model on the eval splits of environments: ENV_ID (e.g. reverse-text) or a config")
+    print("with [[eval]] entries (configs/eval/*.toml). Prints a table per environment; exit code 0, 2 for a")
+    print("config error, 1 for a runtime failure.\n\noptions:")
+    for option, (_, doc) in EVAL_OPTIONS.items():
+        print(f"  {option}\n      {doc}")
+    print("\nEvery setting is a TOML key and a flag (kebab-case, dotted by section):\n")
+    print("\n".join(help_text(EvalRunConfig)))
 
 
 def print_help(usage: str, cls, extra: dict[str, str]) -> None:

@@ -649,3 +649,142 @@ class SFTConfig(StrictModel):
                 f"data.batch_size ({self.data.batch_size}) must be divisible by data.micro_batch_size ({self.data.micro_batch_size})"
             )
         return self
+
+
+# --------------------------------------------------------------------------- eval command
+
+
+class EvalEnvConfig(StrictModel):
+    """One environment of `prime-rl eval` (an `[[eval]]` entry)."""
+
+    id: str
+    """Environment id, as in `[[env]]` (`env_id` works too, as in `prime eval` configs)."""
+
+    args: dict[str, Any] = {}
+    """Keyword arguments passed to the environment's `load_environment` (`env_args` works too)."""
+
+    name: str | None = None
+    """Name in the table and in the results folder; defaults to the id without its owner prefix."""
+
+    num_examples: int | None = Field(None, ge=-1)
+    """Examples of this environment (the first ones of its eval split; -1 = all); None = the top-level `num_examples`."""
+
+    rollouts_per_example: int | None = Field(None, ge=1)
+    """Rollouts per example; None = the top-level `rollouts_per_example`."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _documented_names(cls, data: Any) -> Any:
+        """`env_id` / `env_args` (the names `prime eval` configs use) -> `id` / `args`."""
+        if isinstance(data, dict):
+            for alias, field in (("env_id", "id"), ("env_args", "args")):
+                if alias in data:
+                    if field in data:
+                        raise ValueError(f"[[eval]] entry sets both `{field}` and `{alias}`; keep one")
+                    data = {**{k: v for k, v in data.items() if k != alias}, field: data[alias]}
+        return data
+
+    @model_validator(mode="after")
+    def _known_environment(self) -> EvalEnvConfig:
+        check_environment_id(self.id)
+        if self.name is not None and not re.fullmatch(r"[\w.-]+", self.name):
+            raise ValueError(f"eval name {self.name!r} may only hold letters, digits, `_`, `-` and `.`")
+        if self.num_examples == 0:
+            raise ValueError("num_examples must be -1 (all) or at least 1")
+        return self
+
+    @property
+    def metric_name(self) -> str:
+        return self.name or environment_name(self.id).split("/")[-1]
+
+    def env_config(self) -> EnvConfig:
+        """The `[[env]]` form the environment loader takes."""
+        return EnvConfig(id=self.id, args=self.args, name=self.name)
+
+
+class EvalSamplingConfig(StrictModel):
+    max_tokens: int | None = Field(None, ge=1)
+    """Maximum completion tokens per turn; None = the server's default (a local model: what is left of `seq_len`)."""
+
+    temperature: float | None = Field(None, ge=0)
+    """Sampling temperature (0 = greedy); None = the server's default (1.0 for vLLM)."""
+
+
+class EvalTarget(StrictModel):
+    """What `model` / `endpoint_id` resolved to; `prime-rl eval` writes it for the eval process."""
+
+    type: Literal["endpoint", "local"]
+    """`endpoint`: a text-only OpenAI-compatible API of the endpoints file; `local`: the vLLM server `prime-rl eval` starts, sampled with exact tokens as in RL."""
+
+    model: str
+    """Model name sent in requests."""
+
+    api_key_var: str | None = None
+    """Environment variable the eval process reads the endpoint's API key from (the key is never written to a file); unset = no key."""
+
+    endpoint_id: str | None = None
+    """Name of the endpoint in the endpoints file (None for a local model)."""
+
+
+class EvalRunConfig(StrictModel):
+    """`prime-rl eval ENV_ID|CONFIG.toml`: a model's scores on the eval splits of environments."""
+
+    model: str = "gpt-4.1-mini"
+    """An endpoint name of `endpoints_path`, or a local model folder (a run's `weights/step_N` too) or HF id, which `prime-rl eval` serves with a vLLM server it starts and stops."""
+
+    endpoint_id: str | None = None
+    """Endpoint name of `endpoints_path` to evaluate, instead of `model`."""
+
+    endpoints_path: Path = Path("configs/endpoints.toml")
+    """Endpoint registry: `[[endpoint]]` tables with `endpoint_id`, `model`, `url` and `key`."""
+
+    num_examples: int = Field(5, ge=-1)
+    """Examples per environment (the first ones of its eval split; -1 = all)."""
+
+    rollouts_per_example: int = Field(3, ge=1)
+    """Rollouts per example (pass@k is reported for k up to this)."""
+
+    save_results: bool = False
+    """Write `results.jsonl` (one row per rollout) and `summary.json` to OUTPUT_DIR/<env>--<model>/<run>/."""
+
+    output_dir: Path = Path("outputs/evals")
+    """Results folder; each run's resolved configs and logs go to OUTPUT_DIR/runs/<run>/."""
+
+    seq_len: int | None = Field(None, ge=8)
+    """Context of a local model (prompt + completion tokens, vLLM `--max-model-len`); fills `inference.seq_len`. Endpoints keep their own."""
+
+    sampling: EvalSamplingConfig = EvalSamplingConfig()
+    """Sampling settings."""
+
+    eval: list[EvalEnvConfig] = []
+    """Environments to evaluate (`[[eval]]` entries; `prime-rl eval ENV_ID` makes one)."""
+
+    client: ClientConfig = ClientConfig()
+    """Requests: timeout, concurrency, retries, start-up wait (`base_url` and `api_key` come from the endpoint or the local server)."""
+
+    inference: InferenceConfig = InferenceConfig()
+    """The vLLM server for a local model or HF id (unused for an endpoint); `model` fills `inference.model`."""
+
+    run_id: str | None = None
+    """Name of the run's folders (set by `prime-rl eval`: a timestamp and a short id)."""
+
+    target: EvalTarget | None = None
+    """What `model` resolved to (set by `prime-rl eval` for the eval process)."""
+
+    @model_validator(mode="after")
+    def _consistent(self) -> EvalRunConfig:
+        if not self.eval:
+            raise ValueError("no environment to evaluate: give an environment id (prime-rl eval ENV_ID) or [[eval]] entries")
+        names = [entry.metric_name for entry in self.eval]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"several [[eval]] entries are named {duplicates[0]!r}; give each a distinct `name`")
+        if self.num_examples == 0:
+            raise ValueError("num_examples must be -1 (all) or at least 1")
+        if self.seq_len is not None:
+            if "seq_len" in self.inference.model_fields_set and self.inference.seq_len != self.seq_len:
+                raise ValueError(
+                    f"conflicting values: `seq_len` = {self.seq_len} but `inference.seq_len` = {self.inference.seq_len}; set one of them"
+                )
+            self.inference.seq_len = self.seq_len
+        return self

@@ -6,6 +6,9 @@ If a child exits non-zero, or inference exits at all while the others work, the
 launcher stops the other two, names the failed process and shows the end of its log.
 When trainer and orchestrator finish, it stops inference. Ctrl-C stops all three.
 
+A process marked ``terminal`` (`prime-rl eval`'s eval process, whose output is the result)
+writes to the launcher's stdout and stderr instead of a log file.
+
 With tmux, the launcher opens a session with one pane per process that follows that
 process's log (libtmux); the processes themselves stay children of the launcher, so
 nothing escapes its control and the session is removed at the end.
@@ -37,10 +40,14 @@ class ProcessSpec:
     # The run is done when every `required` process has exited 0; the others (inference)
     # serve until then and their exit before that is a failure.
     required: bool = True
+    # Write to the launcher's own stdout/stderr instead of RUN/logs/<name>.log: for a process
+    # whose output is the result (`prime-rl eval`'s progress bar and tables). Its stdin stays
+    # closed and it still runs in its own process group, so Ctrl-C reaches the launcher only.
+    terminal: bool = False
 
 
 class ProcessFailed(RuntimeError):
-    def __init__(self, name: str, code: int, log: Path):
+    def __init__(self, name: str, code: int, log: Path | None):
         self.name, self.code, self.log = name, code, log
         super().__init__(f"{name} {describe_exit(code)}")
 
@@ -81,18 +88,25 @@ class Launcher:
 
     def start(self) -> None:
         for spec in self.specs:
+            if spec.terminal:
+                self.procs[spec.name] = self._popen(spec, stdout=None, stderr=None)  # inherit ours
+                continue
             log = log_path(self.run_dir, spec.name)
             log.parent.mkdir(parents=True, exist_ok=True)
             with open(log, "ab") as out:
-                self.procs[spec.name] = subprocess.Popen(
-                    spec.argv,
-                    stdin=subprocess.DEVNULL,
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                    env={**os.environ, "PYTHONUNBUFFERED": "1", **spec.env},
-                    start_new_session=True,
-                    preexec_fn=_die_with_parent,
-                )
+                self.procs[spec.name] = self._popen(spec, stdout=out, stderr=subprocess.STDOUT)
+
+    @staticmethod
+    def _popen(spec: ProcessSpec, stdout, stderr) -> subprocess.Popen:
+        return subprocess.Popen(
+            spec.argv,
+            stdin=subprocess.DEVNULL,
+            stdout=stdout,
+            stderr=stderr,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **spec.env},
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
 
     def wait(self) -> None:
         """Block until the run is done; raise ProcessFailed naming the first failure."""
@@ -103,7 +117,7 @@ class Launcher:
                 if code is None:
                     continue
                 if code != 0 or not spec.required:
-                    raise ProcessFailed(spec.name, code, log_path(self.run_dir, spec.name))
+                    raise ProcessFailed(spec.name, code, None if spec.terminal else log_path(self.run_dir, spec.name))
             if all(self.procs[name].poll() == 0 for name in required):
                 return
             time.sleep(self.poll_s)
@@ -182,15 +196,21 @@ def tmux_available() -> bool:
 # --------------------------------------------------------------------------- entry
 
 
-def run(run_dir: Path, specs: list[ProcessSpec], use_tmux: bool, session_name: str) -> int:
-    """Run the trio to completion; returns the launcher's exit code."""
+def run(
+    run_dir: Path, specs: list[ProcessSpec], use_tmux: bool, session_name: str, exit_code_from: str | None = None
+) -> int:
+    """Run the processes to completion; returns the launcher's exit code: 0, 130 after Ctrl-C,
+    else 1, or the failed process's own exit code when it is ``exit_code_from`` (`prime-rl
+    eval` passes on its eval process's 2 = config error, 1 = runtime failure)."""
     launcher = Launcher(run_dir, specs)
     view = None
+    logged = [s.name for s in specs if not s.terminal]
     if use_tmux:
-        view = TmuxView(session_name, run_dir, [s.name for s in specs])
+        view = TmuxView(session_name, run_dir, logged)
         print(f"[prime-rl] tmux session {session_name!r}: attach with `tmux attach -t {session_name}`", flush=True)
-    else:
-        print(f"[prime-rl] logs: {run_dir / 'logs'}/{{{','.join(s.name for s in specs)}}}.log", flush=True)
+    elif logged:
+        names = logged[0] if len(logged) == 1 else f"{{{','.join(logged)}}}"
+        print(f"[prime-rl] logs: {run_dir / 'logs'}/{names}.log", flush=True)
 
     def on_term(signum, frame):  # SIGTERM behaves like Ctrl-C
         raise KeyboardInterrupt
@@ -202,9 +222,10 @@ def run(run_dir: Path, specs: list[ProcessSpec], use_tmux: bool, session_name: s
         print("[prime-rl] run finished", flush=True)
         return 0
     except ProcessFailed as e:
-        print(f"[prime-rl] {e.name} failed: it {describe_exit(e.code)}; stopping the other processes", file=sys.stderr)
-        print(f"[prime-rl] last lines of {e.log}:\n{tail(e.log)}", file=sys.stderr, flush=True)
-        return 1
+        print(f"[prime-rl] {e.name} failed: it {describe_exit(e.code)}; stopping the other processes", file=sys.stderr, flush=True)
+        if e.log is not None:  # a terminal process's last lines are already on screen
+            print(f"[prime-rl] last lines of {e.log}:\n{tail(e.log)}", file=sys.stderr, flush=True)
+        return e.code if e.name == exit_code_from and e.code > 0 else 1
     except KeyboardInterrupt:
         print("[prime-rl] interrupted; stopping all processes", file=sys.stderr, flush=True)
         return 130

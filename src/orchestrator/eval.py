@@ -1,0 +1,306 @@
+"""Eval process: a model's scores on the eval splits of environments (`prime-rl eval`).
+
+    python -m orchestrator.eval --config OUTPUT_DIR/runs/<run>/configs/eval.json
+
+`prime-rl eval` resolves the model first (``EvalTarget``): an endpoint of the endpoints file,
+or a local model it serves with its own vLLM server. Then, top to bottom:
+  (a) load the environments and, for a local model, its tokenizer;
+  (b) the sampler: exact tokens through the local vLLM server (``TokenSampler``, as RL
+      samples), or text through the endpoint's chat completions API (``ChatSampler``);
+  (c) the first ``num_examples`` of each eval split, ``rollouts_per_example`` rollouts of
+      each, every environment at once, with a progress bar counting rollouts;
+  (d) one table per environment: mean reward (± std), metric means, pass@k when rewards are 0/1;
+  (e) with ``save_results``: ``results.jsonl`` (a row per rollout) and ``summary.json`` per
+      environment in OUTPUT_DIR/<env>--<model>/<run>/.
+Exit codes: 0, 2 for a config error (e.g. an environment's args), 1 for a runtime failure
+(e.g. an endpoint still unreachable after the retries), one line saying why.
+This module knows nothing of training: no steps, no advantages, no trainer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from prime_rl.config import EvalEnvConfig, EvalRunConfig, SamplingConfig
+from prime_rl.envs import Environment, Example, ModelClient, Rollout
+from prime_rl.rundir import log_path, write_failed, write_json_atomic
+from prime_rl.settings import ConfigError, help_text, process_config
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from orchestrator.client import InferenceClient, InferenceError
+from orchestrator.envs import load_env
+from orchestrator.main import leaf_errors, load_tokenizer
+from orchestrator.rollouts import run_groups, summarize
+from orchestrator.sampler import ChatSampler, TokenSampler
+
+
+@dataclass
+class EnvResult:
+    entry: EvalEnvConfig
+    examples: list[Example]
+    rollouts_per_example: int
+    groups: list[list[Rollout]]
+    """``rollouts_per_example`` rollouts of each example, in example order."""
+
+    time_s: float
+
+    @property
+    def name(self) -> str:
+        return self.entry.metric_name
+
+    def figures(self) -> dict[str, float]:
+        """``summarize``'s figures plus the share of replies cut by max_tokens."""
+        rollouts = [r for group in self.groups for r in group]
+        if not rollouts:
+            return {}
+        return {**summarize(self.groups), "truncated_frac": float(np.mean([r.finish_reason == "length" for r in rollouts]))}
+
+
+# --------------------------------------------------------------------------- (a) setup
+
+
+def setup(argv: list[str]) -> tuple[EvalRunConfig, list[tuple[EvalEnvConfig, Environment]], object | None]:
+    """Config, environments and (local model) tokenizer; ConfigError for what the user must fix."""
+    cfg = process_config(EvalRunConfig, argv)
+    if cfg.target is None or cfg.run_id is None:
+        raise ConfigError("the config has no `target` / `run_id`: start evaluations with `prime-rl eval`, which resolves the model")
+    try:
+        envs = [(entry, load_env(entry.env_config())) for entry in cfg.eval]
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    tokenizer = load_tokenizer(cfg.inference.model) if cfg.target.type == "local" else None
+    return cfg, envs, tokenizer
+
+
+# --------------------------------------------------------------------------- (b) samplers
+
+
+def make_client(cfg: EvalRunConfig) -> InferenceClient:
+    """An endpoint's key comes from its environment variable, read only here (never stored)."""
+    client_cfg = cfg.client
+    if cfg.target.api_key_var is not None:
+        key = os.environ.get(cfg.target.api_key_var) or None
+        if key is None:
+            log(f"{cfg.target.api_key_var} is not set: sending no API key")
+        client_cfg = client_cfg.model_copy(update={"api_key": key})
+    return InferenceClient(client_cfg, cfg.target.model)
+
+
+def chat_sampler(cfg: EvalRunConfig, client: InferenceClient, tokenizer) -> ModelClient:
+    return ChatSampler(client, cfg.sampling)
+
+
+def token_sampler(cfg: EvalRunConfig, client: InferenceClient, tokenizer) -> ModelClient:
+    seq_len = cfg.inference.seq_len
+    # model_construct: eval allows temperature 0 (greedy), which RL's SamplingConfig refuses
+    # because the trainer divides by it; nothing here trains. vLLM's default temperature is 1.
+    sampling = SamplingConfig.model_construct(
+        max_tokens=cfg.sampling.max_tokens or seq_len,
+        temperature=1.0 if cfg.sampling.temperature is None else cfg.sampling.temperature,
+    )
+    # per_turn: each turn's prompt is the template's rendering of the whole chat, as a chat
+    # API does; nothing is trained on, so no template has to render turns as extensions.
+    return TokenSampler(client, tokenizer, sampling, seq_len, per_turn=True)
+
+
+SAMPLERS: dict[str, Callable[[EvalRunConfig, InferenceClient, object], ModelClient]] = {
+    "endpoint": chat_sampler,
+    "local": token_sampler,
+}
+
+
+# --------------------------------------------------------------------------- (c) rollouts
+
+
+async def run(
+    cfg: EvalRunConfig, envs: list[tuple[EvalEnvConfig, Environment]], tokenizer, progress: Progress
+) -> list[EnvResult]:
+    client = make_client(cfg)
+    try:
+        if cfg.target.type == "local":
+            log(f"waiting for the vLLM server at {client.base_url} (its log: {log_path(cfg.inference.output_dir, 'inference')})")
+            await client.wait_healthy(cfg.client.startup_timeout_s)
+        sampler = SAMPLERS[cfg.target.type](cfg, client, tokenizer)
+        # Every environment at once: the client caps the requests in flight.
+        async with asyncio.TaskGroup() as tasks:
+            futures = [tasks.create_task(evaluate_env(entry, env, sampler, cfg, progress)) for entry, env in envs]
+        return [f.result() for f in futures]
+    finally:
+        await client.close()
+
+
+async def evaluate_env(
+    entry: EvalEnvConfig, env: Environment, sampler: ModelClient, cfg: EvalRunConfig, progress: Progress
+) -> EnvResult:
+    examples = env.eval_examples(cfg.num_examples if entry.num_examples is None else entry.num_examples)
+    n = entry.rollouts_per_example or cfg.rollouts_per_example
+    bar = progress.add_task(entry.metric_name, total=len(examples) * n)
+    start = time.perf_counter()
+    groups = await run_groups(env, sampler, examples, n, on_group=lambda group: progress.advance(bar, len(group)))
+    return EnvResult(entry, examples, n, groups, time.perf_counter() - start)
+
+
+def progress_bar(console: Console) -> Progress:
+    """Rollouts done / total, one bar per environment."""
+    return Progress(
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("rollouts"), TimeElapsedColumn(),
+        console=console,
+    )
+
+
+# --------------------------------------------------------------------------- (d) tables
+
+
+def result_table(result: EnvResult, model: str) -> Table:
+    figures = result.figures()
+    table = Table(title=f"{result.name} · {model}")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    table.add_row("rollouts", f"{len(result.examples)} examples x {result.rollouts_per_example}")
+    if not figures:
+        return table
+    table.add_row("reward", f"{figures['reward/mean']:.3f} ± {figures['reward/std']:.3f}")
+    for key, value in figures.items():
+        if key.startswith("metrics/"):
+            table.add_row(key.removeprefix("metrics/"), f"{value:.3f}")
+    for key, value in figures.items():
+        if key.startswith("pass@"):
+            table.add_row(key, f"{value:.3f}")
+    for key, value in figures.items():
+        if key.startswith("errors/"):
+            table.add_row(f"errors: {key.removeprefix('errors/')}", f"{int(value)} rollouts")
+    table.add_row("truncated (max_tokens)", f"{figures['truncated_frac']:.0%}")
+    table.add_row("time", f"{result.time_s:.1f} s")
+    return table
+
+
+# --------------------------------------------------------------------------- (e) results
+
+
+def results_dir(cfg: EvalRunConfig, result: EnvResult) -> Path:
+    """OUTPUT_DIR/<env>--<model>/<run>/ (the model name's slashes become `--`)."""
+    model = cfg.target.model.strip("/").replace("/", "--")
+    return cfg.output_dir / f"{result.name}--{model}" / cfg.run_id
+
+
+def result_rows(result: EnvResult) -> Iterator[dict]:
+    for example, group in zip(result.examples, result.groups, strict=True):
+        for index, rollout in enumerate(group):
+            yield {
+                "example_id": example.id,
+                "rollout": index,
+                "prompt": rollout.prompt,
+                "completion": rollout.completion,
+                "answer": example.answer,
+                "reward": rollout.reward,
+                "metrics": rollout.metrics,
+                "errors": list(rollout.errors),
+                "stop_condition": rollout.stop_condition,
+                "finish_reason": rollout.finish_reason,
+                "turns": rollout.num_turns,
+            }
+
+
+def save_results(cfg: EvalRunConfig, result: EnvResult, started: float) -> Path:
+    """results.jsonl, then summary.json last (written whole or not at all): a folder with a
+    summary is complete."""
+    folder = results_dir(cfg, result)
+    try:
+        folder.mkdir(parents=True, exist_ok=False)
+        tmp = folder / "results.jsonl.tmp"
+        with open(tmp, "w") as f:
+            for row in result_rows(result):
+                f.write(json.dumps(row, default=str) + "\n")
+        os.replace(tmp, folder / "results.jsonl")
+        write_json_atomic(folder / "summary.json", summary(cfg, result, started))
+    except OSError as e:
+        raise write_failed("eval results", folder, e) from e
+    return folder
+
+
+def summary(cfg: EvalRunConfig, result: EnvResult, started: float) -> dict:
+    return {
+        "env": {"id": result.entry.id, "name": result.name, "args": result.entry.args},
+        "model": cfg.target.model,
+        "endpoint_id": cfg.target.endpoint_id,
+        "type": cfg.target.type,
+        "base_url": cfg.client.base_url,
+        "num_examples": len(result.examples),
+        "rollouts_per_example": result.rollouts_per_example,
+        "sampling": cfg.sampling.model_dump(mode="json"),
+        "run_id": cfg.run_id,
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
+        "time_s": result.time_s,
+        **result.figures(),
+    }
+
+
+# --------------------------------------------------------------------------- entry point
+
+
+def log(msg: str) -> None:
+    print(f"[eval] {msg}", file=sys.stderr, flush=True)
+
+
+def interrupt(signum, frame) -> None:
+    """The launcher stops this process with SIGTERM: unwind like Ctrl-C, so the progress bar
+    gives the terminal its cursor back."""
+    raise KeyboardInterrupt
+
+
+def one_line(error: BaseException) -> str:
+    return " ".join(str(error).split()) or type(error).__name__
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--help" in argv or "-h" in argv:
+        print("python -m orchestrator.eval [--config] CONFIG.{json,toml} [--flags]   (started by `prime-rl eval`)\n")
+        print("\n".join(help_text(EvalRunConfig)))
+        return 0
+    signal.signal(signal.SIGTERM, interrupt)
+    try:
+        cfg, envs, tokenizer = setup(argv)
+    except ConfigError as e:
+        log(one_line(e))
+        return 2
+    console = Console()
+    where = f"endpoint {cfg.target.endpoint_id!r} at" if cfg.target.type == "endpoint" else "local vLLM server at"
+    log(f"model {cfg.target.model!r} ({where} {cfg.client.base_url}); environments: {', '.join(e.metric_name for e, _ in envs)}")
+    started = time.time()
+    try:
+        with progress_bar(console) as progress:
+            results = asyncio.run(run(cfg, envs, tokenizer, progress))
+        for result in results:
+            console.print(result_table(result, cfg.target.model))
+        if cfg.save_results:
+            for result in results:
+                # print, not rich: a path must not be wrapped at the console's width
+                print(f"[eval] {result.name}: results in {save_results(cfg, result, started)}/", flush=True)
+    except KeyboardInterrupt:
+        log("interrupted")
+        return 130
+    except (OSError, InferenceError, ExceptionGroup) as e:  # TimeoutError is an OSError
+        errors = leaf_errors(e)
+        if not all(isinstance(err, OSError | InferenceError) for err in errors):
+            raise
+        # Expected failures (a server missing or misbehaving, a disk full): once each, no traceback.
+        for message in dict.fromkeys(one_line(err) for err in errors):
+            log(f"error: {message}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
