@@ -2,6 +2,7 @@
 as a subprocess against the fake vLLM server, with this test playing the trainer."""
 
 import asyncio
+from contextlib import contextmanager
 import json
 import os
 import subprocess
@@ -26,6 +27,33 @@ def write_weights(run_dir, step):
     tmp = begin_step_dir(weights_dir(run_dir), step)
     (tmp / "model.safetensors").write_bytes(b"fake")
     finish_step_dir(tmp, step)
+
+
+@contextmanager
+def orchestrator_process(config: dict, run_dir):
+    """Run `python -m orchestrator.main` on ``config``; yields ``receive(step)``, this test
+    playing trainer rank 0. On exit, waits for the process and checks it exited 0."""
+    path = run_dir / "configs" / "orchestrator.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(config))
+    proc = subprocess.Popen([sys.executable, "-m", "orchestrator.main", "--config", str(path)],
+                            env={**os.environ, "PYTHONPATH": str(REPO / "src")},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    ctx = zmq.Context()
+    trainer = ctx.socket(zmq.PULL)
+    trainer.setsockopt(zmq.RCVTIMEO, 20_000)
+    trainer.setsockopt(zmq.LINGER, 0)
+    trainer.connect(f"tcp://127.0.0.1:{config['transport']['port']}")
+    try:
+        yield lambda step: decode_batch(trainer.recv(), expected_step=step, expected_rank=0)
+        out, _ = proc.communicate(timeout=20)
+    finally:
+        trainer.close()
+        ctx.term()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, out
 
 
 class RecordingClient:
@@ -89,11 +117,13 @@ def test_config_errors_exit_2(tmp_path, capsys):
 
 def test_two_steps_end_to_end(tmp_path, tiny_model):
     """async_level=0 (on-policy): step 0 uses the initial model; step 1 must wait for
-    weights/step_1, which this test (the trainer) writes only after receiving step 0's batch."""
+    weights/step_1, which this test (the trainer) writes only after receiving step 0's batch.
+    A preflight check runs first; eval runs every step and on the final weights."""
     port = free_port()
     config = {
         "model": str(tiny_model),
-        "preflight": {"enabled": False},
+        "preflight": {"num_examples": 2, "rollouts_per_example": 2},
+        "eval": {"interval": 1, "num_examples": 3},
         "env": [{"id": "reverse-text", "args": {"num_examples": 50}}],
         "sampling": {"max_tokens": 16, "temperature": 0.8},
         "client": {"timeout_s": 10},
@@ -109,34 +139,12 @@ def test_two_steps_end_to_end(tmp_path, tiny_model):
     }
     with FakeInferenceServer() as server:
         config["client"]["base_url"] = server.url
-        (tmp_path / "configs").mkdir()
-        (tmp_path / "configs" / "orchestrator.json").write_text(json.dumps(config))
-        env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "orchestrator.main", "--config", str(tmp_path / "configs" / "orchestrator.json")],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        ctx = zmq.Context()
-        trainer = ctx.socket(zmq.PULL)
-        trainer.setsockopt(zmq.RCVTIMEO, 20_000)
-        trainer.setsockopt(zmq.LINGER, 0)
-        trainer.connect(f"tcp://127.0.0.1:{port}")
-        try:
-            first = decode_batch(trainer.recv(), expected_step=0, expected_rank=0)
+        with orchestrator_process(config, tmp_path) as receive:
+            first = receive(0)
             assert not any(p.startswith("/collective_rpc") for p in server.admin_calls())
             write_weights(tmp_path, 1)
-            second = decode_batch(trainer.recv(), expected_step=1, expected_rank=0)
-            out, _ = proc.communicate(timeout=20)
-        finally:
-            trainer.close()
-            ctx.term()
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-        assert proc.returncode == 0, out
+            second = receive(1)
+            write_weights(tmp_path, 2)  # the final eval waits for the last weights
 
     for batch, version in ((first, 0), (second, 1)):
         samples = [s for m in batch.micro_batches for s in m.samples]
@@ -152,13 +160,22 @@ def test_two_steps_end_to_end(tmp_path, tiny_model):
 
     admin = server.admin_calls()
     assert admin[0] == "/health"
-    assert admin[1:] == ["/pause?mode=wait", "/collective_rpc", "/reset_prefix_cache", "/resume"]
-    assert server.loaded_weights == str((tmp_path / "weights" / "step_1").resolve())
-    rows = [r for r in read_jsonl(metrics_path(tmp_path)) if r["process"] == "orchestrator"]
+    assert admin[1:] == ["/pause?mode=wait", "/collective_rpc", "/reset_prefix_cache", "/resume"] * 2
+    assert server.loaded_weights == str((tmp_path / "weights" / "step_2").resolve())
+    all_rows = read_jsonl(metrics_path(tmp_path))
+    (preflight,) = [r for r in all_rows if r["process"] == "preflight"]
+    assert preflight["step"] == 0 and 0 < preflight["preflight/reverse-text/reward/mean"] < 1
+    evals = [r for r in all_rows if r["process"] == "eval"]
+    assert [(r["step"], r["eval/policy_version"]) for r in evals] == [(0, 0), (1, 1), (2, 2)]
+    assert all(r["eval/reverse-text/examples"] == 3 and 0 <= r["eval/reward/mean"] <= 1 for r in evals)
+    rows = [r for r in all_rows if r["process"] == "orchestrator"]
     assert [r["step"] for r in rows] == [0, 1]
     assert all(r["staleness/max"] == 0 for r in rows)
     assert rows[1]["weights/reloaded_step"] == 1 and rows[1]["policy/version"] == 1
     assert 0.0 < rows[0]["reward/mean"] < 1.0 and rows[0]["reward/max"] == 1.0
+    assert rows[0]["reward/reverse-text/mean"] == rows[0]["reward/mean"] and rows[0]["batch/reverse-text/rollouts"] == 8
+    assert rows[0]["metrics/reverse-text/lcs_reward"] == rows[0]["reward/mean"]
+    assert rows[0]["errors/reverse-text/lcs_reward"] == 0 and rows[0]["stop/max_turns_frac"] == 1.0
     for key in (
         "reward/std",
         "staleness/mean",
@@ -203,3 +220,39 @@ def test_failing_inference_exits_1_with_one_message(tmp_path, capsys, tiny_model
         code, err = run_main_in_process(tmp_path, server, capsys, tiny_model)
     assert code == 1
     assert err.count("/v1/completions answered status 500") == 1  # 4 failed rollouts, one line
+
+
+def test_two_environments_mixed_3_to_1_with_their_own_metrics(tmp_path, tiny_model):
+    """Weights 3:1 give 6 and 2 of every 8 examples, every step; each environment has its own
+    reward and metrics rows, and its samples are its own (short vs long texts)."""
+    port = free_port()
+    config = {
+        "model": str(tiny_model),
+        "env": [
+            {"id": "reverse-text", "name": "short", "weight": 3, "args": {"min_len": 3, "max_len": 4}},
+            {"id": "primeintellect/reverse-text", "name": "long", "weight": 1, "args": {"min_len": 12, "max_len": 12}},
+        ],
+        "preflight": {"enabled": False},
+        "sampling": {"max_tokens": 16},
+        "transport": {"port": port, "timeout_s": 20},
+        "batch_size": 32,
+        "rollouts_per_example": 4,
+        "max_steps": 2,
+        "async_level": 1,
+        "seq_len": 128,
+        "output_dir": str(tmp_path),
+    }
+    with FakeInferenceServer() as server:
+        config["client"] = {"base_url": server.url, "timeout_s": 10}
+        with orchestrator_process(config, tmp_path) as receive:
+            batches = [receive(step) for step in range(2)]
+    for batch in batches:
+        lengths = [int(sample_arrays(s)[2].astype(bool).sum()) for m in batch.micro_batches for s in m.samples]
+        # the fake answers the text (reversed or not) + <|im_end|>: 4-5 sampled tokens vs 13
+        assert sum(n <= 5 for n in lengths) == 24 and sum(n == 13 for n in lengths) == 8
+    rows = [r for r in read_jsonl(metrics_path(tmp_path)) if r["process"] == "orchestrator"]
+    for row in rows:
+        assert (row["batch/short/rollouts"], row["batch/long/rollouts"]) == (24, 8)
+        mean = (24 * row["reward/short/mean"] + 8 * row["reward/long/mean"]) / 32
+        assert row["reward/mean"] == pytest.approx(mean)
+        assert {"metrics/short/lcs_reward", "metrics/long/lcs_reward", "errors/long/lcs_reward"} <= set(row)
