@@ -63,22 +63,25 @@ def trio_toml(
     batch_size: int = 16,
     rollouts_per_example: int = 4,
     extra: str = "",
+    env: str = 'id = "reverse-text"',
+    seq_len: int = 96,
+    max_tokens: int = 8,
 ) -> str:
     """A tiny RL run: few short rollouts, free ports so tests never collide."""
     return f"""
 model = "{model}"
 output_dir = "{run_dir}"
 max_steps = {max_steps}
-seq_len = 96
+seq_len = {seq_len}
 async_level = {async_level}
 batch_size = {batch_size}
 rollouts_per_example = {rollouts_per_example}
 
 [sampling]
-max_tokens = 8
+max_tokens = {max_tokens}
 
 [[env]]
-id = "reverse-text"
+{env}
 
 [transport]
 port = {free_port()}

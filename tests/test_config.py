@@ -1,5 +1,7 @@
 """Config schema: layering, shared fields, the flat hosted form, and one-line errors."""
 
+import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -118,3 +120,35 @@ def test_contracts_do_not_import_torch_or_vllm():
     code = "import sys, prime_rl.cli, prime_rl.wire, prime_rl.metrics; print(sorted(m for m in ('torch','vllm') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+ISSUE_BLOCK = '''model = "Qwen/Qwen3-30B-A3B-Instruct-2507"
+max_steps = 500
+batch_size = 256
+rollouts_per_example = 8
+
+[sampling]
+max_tokens = 512
+
+[[env]]
+id = "primeintellect/alphabet-sort"
+args = { min_turns = 3, max_turns = 5, power_per_turn = false }
+
+[wandb]
+project = "alphabet-sort"
+name = "qwen3-30b-i-alphabet-sort"
+'''
+
+
+@pytest.mark.parametrize("name", ["reverse-text", "alphabet-sort", "gsm8k", "wordle"])
+def test_documented_hosted_configs_pass_dry_run_as_written(tmp_path, name):
+    """configs/rl/*.toml, copied as users copy them, validate offline (no hub access): the
+    command is run from an empty folder, where their default output_dir lands."""
+    path = REPO / "configs" / "rl" / f"{name}.toml"
+    if name == "alphabet-sort":
+        assert path.read_text() == ISSUE_BLOCK  # the documentation's block, exactly
+    done = subprocess.run([sys.executable, "-m", "prime_rl.cli", str(path), "--dry-run"], cwd=tmp_path,
+                          capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert done.returncode == 0, done.stderr
+    orchestrator = json.loads((tmp_path / "outputs" / "run" / "configs" / "orchestrator.json").read_text())
+    assert orchestrator["env"][0]["id"] == f"primeintellect/{name}"

@@ -222,3 +222,72 @@ def test_a_killed_process_stops_the_run_and_the_run_resumes(tmp_path, tiny_model
         assert again_step == resume_step
         assert recorded_picks(run_dir, first_step=resume_step) == first
         assert_resumed_cleanly(run_dir, resume_step)
+
+
+# --------------------------------------------------------------------------- multi-turn
+
+MULTI_TURN_ENV = """id = "primeintellect/alphabet-sort"
+args = { min_turns = 2, max_turns = 2, max_names_per_turn = 2, num_examples = 64, num_eval_examples = 4 }"""
+
+
+def test_multi_turn_trio_trains_exactly_the_sampled_tokens(tmp_path, tiny_model):
+    """alphabet-sort (two turns) on the real trio: in every recorded sample the loss mask is
+    1 on exactly the tokens vLLM sampled in each turn (after each generation prompt, up to its
+    <|im_end|> or max_tokens) and 0 on the rendered prompt, the template glue and the
+    follow-up message; vLLM's logprobs are there and only there; mismatch KL at step 0 < 1e-3."""
+    from prime_rl.chat import render_ids
+    from prime_rl.wire import decode_batch, sample_arrays
+    from transformers import AutoTokenizer
+
+    max_tokens = 12
+    run_dir, config = tmp_path / "mt", tmp_path / "mt.toml"
+    config.write_text(trio_toml(tiny_model, run_dir, max_steps=3, env=MULTI_TURN_ENV, seq_len=768,
+                                max_tokens=max_tokens, extra="\n[preflight]\nnum_examples = 2\nrollouts_per_example = 2\n"))
+    proc, tag = start_launcher(config)
+    finish(proc, run_dir)
+    assert tagged_processes(tag) == []
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    env = load_env(EnvConfig(id="alphabet-sort", args={"min_turns": 2, "max_turns": 2, "max_names_per_turn": 2,
+                                                       "num_examples": 64, "num_eval_examples": 4}))
+    generation = [257, *b"assistant\n"]
+    checked = 0
+    for step in range(3):
+        record = load_record(run_dir, step)
+        for micro in decode_batch(record.frames[0]).micro_batches:
+            for sample in micro.samples:
+                ids, mask, logprobs = (a.tolist() for a in sample_arrays(sample))
+                example = env.dataset[sample.example_id]
+                # turn 1's prompt is the template's rendering of the example's prompt
+                first = render_ids(tok, example.prompt, add_generation_prompt=True)
+                assert ids[: len(first)] == first and not any(mask[: len(first)])
+                spans = [(i, j) for i, j in mask_spans(mask)]
+                assert len(spans) == 2, spans  # one span of sampled tokens per turn
+                (s1, e1), (s2, e2) = spans
+                assert s1 == len(first) and ids[s2 - len(generation) : s2] == generation
+                for s, e in spans:  # a turn ends at its <|im_end|>, or at max_tokens without it
+                    assert ids[e - 1] == 258 or (e - s == max_tokens and 258 not in ids[s:e])
+                # between the turns: the end-of-turn the model did not emit, then the follow-up
+                closing = [] if ids[e1 - 1] == 258 else [258]
+                follow_up = [*closing, 10, 257, *f"user\n{example.info['follow_ups'][0]}".encode(), 258, 10, *generation]
+                assert ids[e1:s2] == follow_up
+                assert e2 == len(ids)  # the sample ends with the last sampled token
+                assert all((lp != 0) == m for lp, m in zip(logprobs, mask))
+                checked += 1
+    assert checked == 3 * 16
+    trainer = [r for r in read_jsonl(metrics_path(run_dir)) if r["process"] == "trainer"]
+    assert trainer[0]["loss/mismatch_kl"] < 1e-3, trainer[0]
+    orchestrator = [r for r in read_jsonl(metrics_path(run_dir)) if r["process"] == "orchestrator"]
+    assert all(r["seq/turns_mean"] == 2 and "reward/alphabet-sort/mean" in r for r in orchestrator)
+
+
+def mask_spans(mask):
+    """(start, end) of every run of 1s."""
+    spans, start = [], None
+    for i, m in enumerate([*mask, False]):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            spans.append((start, i))
+            start = None
+    return spans
