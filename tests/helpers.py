@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
+import subprocess
+import sys
 import uuid
+from contextlib import contextmanager
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -96,3 +100,34 @@ micro_batch_size = 8
 [inference]
 port = {free_port()}
 {extra}"""
+
+
+@contextmanager
+def orchestrator_process(config: dict, run_dir, env: dict | None = None):
+    """Run `python -m orchestrator.main` on ``config`` (environment ``env``, default ours with
+    the repo's src on PYTHONPATH); yields ``receive(step)``, the test playing trainer rank 0.
+    On exit, waits for the process and checks it exited 0."""
+    import zmq
+    from prime_rl.wire import decode_batch
+
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src")} if env is None else env
+    path = run_dir / "configs" / "orchestrator.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(config))
+    proc = subprocess.Popen([sys.executable, "-m", "orchestrator.main", "--config", str(path)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    ctx = zmq.Context()
+    trainer = ctx.socket(zmq.PULL)
+    trainer.setsockopt(zmq.RCVTIMEO, 20_000)
+    trainer.setsockopt(zmq.LINGER, 0)
+    trainer.connect(f"tcp://127.0.0.1:{config['transport']['port']}")
+    try:
+        yield lambda step: decode_batch(trainer.recv(), expected_step=step, expected_rank=0)
+        out, _ = proc.communicate(timeout=20)
+    finally:
+        trainer.close()
+        ctx.term()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, out

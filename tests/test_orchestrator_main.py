@@ -2,23 +2,17 @@
 as a subprocess against the fake vLLM server, with this test playing the trainer."""
 
 import asyncio
-from contextlib import contextmanager
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-import zmq
 from prime_rl.config import OrchestratorConfig
 from prime_rl.rundir import begin_step_dir, finish_step_dir, metrics_path, read_jsonl, weights_dir
-from prime_rl.wire import decode_batch, sample_arrays
+from prime_rl.wire import sample_arrays
 
 from orchestrator.fake_inference import FakeInferenceServer
 from orchestrator.main import main, sync_policy
 
-from helpers import free_port
+from helpers import free_port, orchestrator_process
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -27,33 +21,6 @@ def write_weights(run_dir, step):
     tmp = begin_step_dir(weights_dir(run_dir), step)
     (tmp / "model.safetensors").write_bytes(b"fake")
     finish_step_dir(tmp, step)
-
-
-@contextmanager
-def orchestrator_process(config: dict, run_dir):
-    """Run `python -m orchestrator.main` on ``config``; yields ``receive(step)``, this test
-    playing trainer rank 0. On exit, waits for the process and checks it exited 0."""
-    path = run_dir / "configs" / "orchestrator.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(config))
-    proc = subprocess.Popen([sys.executable, "-m", "orchestrator.main", "--config", str(path)],
-                            env={**os.environ, "PYTHONPATH": str(REPO / "src")},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    ctx = zmq.Context()
-    trainer = ctx.socket(zmq.PULL)
-    trainer.setsockopt(zmq.RCVTIMEO, 20_000)
-    trainer.setsockopt(zmq.LINGER, 0)
-    trainer.connect(f"tcp://127.0.0.1:{config['transport']['port']}")
-    try:
-        yield lambda step: decode_batch(trainer.recv(), expected_step=step, expected_rank=0)
-        out, _ = proc.communicate(timeout=20)
-    finally:
-        trainer.close()
-        ctx.term()
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == 0, out
 
 
 class RecordingClient:

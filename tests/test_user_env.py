@@ -12,13 +12,12 @@ import subprocess
 import sys
 
 import pytest
-import zmq
 from prime_rl.config import KNOWN_ENVIRONMENTS
-from prime_rl.wire import decode_batch, sample_arrays
+from prime_rl.wire import sample_arrays
 
 from orchestrator.fake_inference import IM_END, FakeInferenceServer
 
-from helpers import REPO, free_port
+from helpers import REPO, free_port, orchestrator_process
 
 MY_ENV = REPO / "examples" / "my-env"
 
@@ -80,26 +79,9 @@ def test_the_orchestrator_plays_the_installed_module(my_env_installed, tmp_path,
     }
     with FakeInferenceServer(responder=guess_fifty) as server:
         config["client"] = {"base_url": server.url, "timeout_s": 10}
-        path = tmp_path / "orchestrator.json"
-        path.write_text(json.dumps(config))
-        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-        proc = subprocess.Popen([sys.executable, "-m", "orchestrator.main", "--config", str(path)], env=env,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        ctx = zmq.Context()
-        sock = ctx.socket(zmq.PULL)
-        sock.setsockopt(zmq.RCVTIMEO, 60_000)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(f"tcp://127.0.0.1:{port}")
-        try:
-            batch = decode_batch(sock.recv(), expected_step=0, expected_rank=0)
-            out, _ = proc.communicate(timeout=60)
-        finally:
-            sock.close()
-            ctx.term()
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    assert proc.returncode == 0, out
+        installed_only = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        with orchestrator_process(config, tmp_path, env=installed_only) as receive:
+            batch = receive(0)
     samples = [s for m in batch.micro_batches for s in m.samples]
     assert len(samples) == 4
     for sample in samples:  # never 50 out of 1..10: three guesses, each its own span of sampled tokens

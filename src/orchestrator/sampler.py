@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from prime_rl.chat import TemplateError, assistant_span, check_extension, end_of_turn_ids, render_ids, PROBE_CHAT
+from prime_rl.chat import PROBE_CHAT, TemplateError, assistant_span, check_extension, end_of_turn_ids, render_ids
 from prime_rl.config import EvalSamplingConfig, SamplingConfig
 from prime_rl.envs import Messages, ModelReply, PromptTooLong, Turn
 
@@ -77,9 +77,8 @@ def check_multi_turn_template(tokenizer, model: str) -> None:
     try:
         check_extension(tokenizer, PROBE_CHAT)
     except TemplateError as e:
-        turn = "" if e.index is None else f" at message {e.index} ({PROBE_CHAT[e.index]['role']})"
         raise TemplateError(
-            f"model {model!r}: its chat template is non-increasing: {e}{turn}; it rewrites earlier turns "
+            f"model {model!r}: its chat template is non-increasing: {e}; it rewrites earlier turns "
             "(Qwen3 and DeepSeek-R1 templates strip <think> blocks from earlier assistant messages), so a "
             "multi-turn rollout cannot be trained as one sequence. Fix: set `orchestrator.multi_turn = "
             "\"per_turn\"` to train each turn as its own sample, or use a chat template that keeps earlier turns",
