@@ -12,7 +12,13 @@ simply memorize the RL prompts:
   follow-ups between them; seed 1337421, RL: 1337420);
 - gsm8k: generated problems (unless `--args` names a `source` or `data_path`) with their
   worked solution ending in the requested answer format, `\\boxed{N}` or `#### N`
-  (seed 1; RL: 0).
+  (seed 1; RL: 0);
+- wordle: whole winning games played by a fixed deterministic strategy (`wordle.demonstration`:
+  opener `slate`, then the first common word consistent with all feedback so far), the
+  env's feedback messages between the guesses; the few games it loses in six guesses are
+  skipped, so there may be slightly fewer chats than `--num-examples`. Seed 0, as RL's: every
+  game has the same prompt, the seed only draws the secret words, and RL's seed keeps its
+  eval words out of the demonstrations.
 
 `--args` takes the environment's arguments as JSON (as `args` in an `[[env]]` entry); the
 seed is `--seed`, not an entry of `--args`.
@@ -25,8 +31,8 @@ import json
 import os
 from pathlib import Path
 
-ENVS = ("reverse-text", "alphabet-sort", "gsm8k")
-DEFAULT_SEEDS = {"reverse-text": 1, "alphabet-sort": 1337421, "gsm8k": 1}  # RL: 0, 1337420, 0
+ENVS = ("reverse-text", "alphabet-sort", "gsm8k", "wordle")
+DEFAULT_SEEDS = {"reverse-text": 1, "alphabet-sort": 1337421, "gsm8k": 1, "wordle": 0}  # RL: 0, 1337420, 0, 0
 
 
 def sft_chats(num_examples: int, seed: int, args: dict | None = None) -> list[dict]:
@@ -56,11 +62,25 @@ def gsm8k_chats(num_examples: int, seed: int, args: dict) -> list[dict]:
     return [{"messages": demonstration(example)} for example in env.dataset]
 
 
+def wordle_chats(num_examples: int, seed: int, args: dict) -> list[dict]:
+    """Winning games of the first `num_examples` secret words (games the strategy loses are
+    skipped). The eval split keeps the env's default size, so that with RL's seed and args
+    the demonstrations never play RL's eval words."""
+    from orchestrator.envs.wordle import common_words, demonstration, load_environment, read_words
+
+    env = load_environment(**{**args, "num_train_examples": num_examples, "seed": seed})
+    words = read_words(args["words_path"]) if args.get("words_path") else common_words()
+    games = (demonstration(example, words, env) for example in env.dataset)
+    return [{"messages": game} for game in games if game is not None]
+
+
 def chats_for(env: str, num_examples: int, seed: int, args: dict) -> list[dict]:
     if env == "reverse-text":
         return sft_chats(num_examples, seed, args)
     if env == "alphabet-sort":
         return alphabet_sort_chats(num_examples, seed, args)
+    if env == "wordle":
+        return wordle_chats(num_examples, seed, args)
     return gsm8k_chats(num_examples, seed, args)
 
 
@@ -69,7 +89,7 @@ def main() -> None:
     parser.add_argument("output", type=Path, help="JSONL file to write")
     parser.add_argument("--env", choices=ENVS, default="reverse-text", help="environment (default reverse-text)")
     parser.add_argument("--num-examples", type=int, default=2000, help="number of chats")
-    parser.add_argument("--seed", type=int, default=None, help="generator seed (default: RL's default + 1)")
+    parser.add_argument("--seed", type=int, default=None, help="generator seed (default: RL's default + 1; wordle: RL's own)")
     parser.add_argument("--args", type=json.loads, default={}, help="environment args as a JSON object")
     args = parser.parse_args()
     if not isinstance(args.args, dict):
@@ -91,7 +111,9 @@ def main() -> None:
         for chat in chats:
             f.write(json.dumps(chat) + "\n")
     os.replace(tmp, args.output)
-    print(f"wrote {len(chats)} chats to {args.output}")
+    lost = args.num_examples - len(chats)  # wordle: games the demonstration strategy lost
+    skipped = f" ({lost} games the strategy lost skipped)" if lost > 0 else ""
+    print(f"wrote {len(chats)} chats to {args.output}{skipped}")
 
 
 if __name__ == "__main__":

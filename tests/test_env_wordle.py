@@ -3,6 +3,10 @@ a loss with invalid guesses) with their rewards, word lists, determinism, argume
 
 import asyncio
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from prime_rl.config import EnvConfig
@@ -10,6 +14,7 @@ from prime_rl.envs import DatasetUnavailable, Example, ModelReply, Turn
 
 from orchestrator.envs import load_env
 from orchestrator.envs.wordle import INSTRUCTIONS, SYSTEM_PROMPT, common_words, feedback, load_environment
+from orchestrator.envs.wordle import OPENER, demonstration
 
 
 class ScriptedClient:
@@ -184,3 +189,87 @@ def test_no_hub_dataset():
 def test_load_env_by_id():
     env = load_env(EnvConfig(id="primeintellect/wordle", args={"num_train_examples": 30, "num_eval_examples": 5}))
     assert len(env.dataset) == 30 and len(env.eval_dataset) == 5
+
+
+# --------------------------------------------------------------------------- demonstrations (SFT data)
+
+
+def replay(env, example, demo):
+    """The demonstration's assistant messages played through the env's own rollout loop."""
+    client = ScriptedClient([m["content"] for m in demo[len(example.prompt):] if m["role"] == "assistant"])
+    rollout = asyncio.run(env.rollout(client, example))
+    assert client.texts == []  # every scripted guess was asked for, none more
+    return rollout
+
+
+@pytest.mark.parametrize("index", range(12))
+def test_demonstration_replays_exactly_and_wins(env, index):
+    example = env.dataset[index]
+    demo = demonstration(example)
+    if demo is None:
+        pytest.skip(f"the strategy loses {example.answer!r}")
+    rollout = replay(env, example, demo)
+    # the same conversation: the env's prompt, then exactly the env's feedback messages
+    assert demo[: len(example.prompt)] == example.prompt
+    assert rollout.completion == demo[len(example.prompt):]
+    assert env_messages(rollout) == [m["content"] for m in demo[len(example.prompt):] if m["role"] == "user"]
+    k = rollout.num_turns
+    assert rollout.state["solved"] and rollout.stop_condition == "completed" and 1 <= k <= 6
+    assert rollout.state["guesses"][-1] == example.answer and rollout.state["guesses"][0] == OPENER
+    # correct 1 + length bonus 1/k + 0.2 * format 1
+    assert rollout.metrics == pytest.approx({"correct_answer": 1.0, "partial_answer": 0.0, "length_bonus": 1 / k, "format_reward": 1.0})
+    assert rollout.reward == pytest.approx(1 + 1 / k + 0.2)
+
+
+def test_demonstration_plays_consistent_guesses(env):
+    words = common_words()
+    demo = demonstration(game(env, "crane"))
+    guesses = [m["content"] for m in demo if m["role"] == "assistant"]
+    assert guesses == ["<guess>slate</guess>", "<guess>peace</guess>", "<guess>crane</guess>"]
+    assert [m["content"] for m in demo[3::2]] == [
+        "s l a t e\nX X G X G\nYou have 5 guesses left.",
+        "p e a c e\nX X G Y G\nYou have 4 guesses left.",
+    ]
+    # each guess: the first common word whose feedback agrees with every earlier guess's
+    plain = [g[len("<guess>"):-len("</guess>")] for g in guesses]
+    for i, guess in enumerate(plain[1:], start=1):
+        consistent = [w for w in words if all(feedback(g, w) == feedback(g, "crane") for g in plain[:i])]
+        assert guess == consistent[0]
+    assert demonstration(game(env, "crane")) == demo  # deterministic
+    assert demonstration(game(env, OPENER))[2:] == [{"role": "assistant", "content": "<guess>slate</guess>"}]
+
+
+def test_demonstration_skips_lost_games_and_uses_the_given_words(env):
+    assert demonstration(game(env, "hatch")) is None  # too many -atch words before it: six guesses lost
+    # a word list that lacks the secret: the secret is appended, so it is found last;
+    # trace is skipped (slate's t is gray for crane, trace has a t)
+    demo = demonstration(game(env, "crane"), words=["slate", "trace", "brace"])
+    assert [m["content"] for m in demo if m["role"] == "assistant"][1:] == ["<guess>brace</guess>", "<guess>crane</guess>"]
+    # a check_words environment rejects a guess outside its list (zzaze agrees with slate's
+    # feedback, so the strategy tries it): it uses a guess, gets no feedback, and is not tried again
+    strict = load_environment(check_words=True, num_train_examples=10, num_eval_examples=2)
+    demo = demonstration(game(strict, "crane"), words=["slate", "zzaze", "crane"], env=strict)
+    assert [m["content"] for m in demo if m["role"] == "user"][1:] == [
+        "s l a t e\nX X G X G\nYou have 5 guesses left.",
+        "Invalid guess 'zzaze': not in the word list.\nYou have 4 guesses left.",
+    ]
+    rollout = replay(strict, game(strict, "crane"), demo)
+    assert rollout.state["solved"] and rollout.reward == pytest.approx(1 + 1 / 3 + 0.2)
+
+
+def test_make_sft_data_writes_winning_games(tmp_path):
+    repo = Path(__file__).resolve().parents[1]
+    out = tmp_path / "sft.jsonl"
+    done = subprocess.run(
+        [sys.executable, str(repo / "scripts" / "make_sft_data.py"), str(out), "--env", "wordle",
+         "--num-examples", "40", "--args", json.dumps({"system_prompt": ""})],
+        capture_output=True, text=True, check=True, env={**os.environ, "PYTHONPATH": str(repo / "src")},
+    )
+    chats = [json.loads(line)["messages"] for line in out.read_text().splitlines()]
+    assert done.stdout.startswith(f"wrote {len(chats)} chats") and 36 <= len(chats) <= 40
+    env = load_environment(system_prompt="", num_train_examples=40)  # the same secrets (seed 0, as RL)
+    secrets = [e.answer for e in env.dataset]
+    for chat in chats:
+        assert chat[0] == {"role": "user", "content": INSTRUCTIONS}  # no system prompt, as asked
+        assert chat[1] == {"role": "assistant", "content": f"<guess>{OPENER}</guess>"}
+        assert chat[-1]["role"] == "assistant" and chat[-1]["content"][len("<guess>"):-len("</guess>")] in secrets
