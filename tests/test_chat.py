@@ -2,8 +2,6 @@
 extension check for multi-turn, and the sampler's exact multi-turn prompts."""
 
 import asyncio
-import subprocess
-import sys
 
 import pytest
 from prime_rl.chat import PROBE_CHAT, TemplateError, check_extension, render_ids
@@ -16,22 +14,12 @@ from orchestrator.main import setup
 from orchestrator.sampler import TokenSampler, check_multi_turn_template
 from trainer.sft import tokenize_chat
 
-from helpers import REPO
-
 IM_START, IM_END, NL = 257, 258, 10
 
 
 @pytest.fixture(scope="module")
 def tok(tiny_model):
     return AutoTokenizer.from_pretrained(tiny_model)
-
-
-@pytest.fixture(scope="module")
-def think_model(tmp_path_factory):
-    out = tmp_path_factory.mktemp("models") / "think"
-    script = REPO / "scripts" / "build_tiny_model.py"
-    subprocess.run([sys.executable, str(script), str(out), "--chat-template", "think-stripping"], check=True, capture_output=True)
-    return out
 
 
 def chatml(*pairs, generation=False):

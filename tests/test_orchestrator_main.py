@@ -223,3 +223,39 @@ def test_two_environments_mixed_3_to_1_with_their_own_metrics(tmp_path, tiny_mod
         mean = (24 * row["reward/short/mean"] + 8 * row["reward/long/mean"]) / 32
         assert row["reward/mean"] == pytest.approx(mean)
         assert {"metrics/short/lcs_reward", "metrics/long/lcs_reward", "errors/long/lcs_reward"} <= set(row)
+
+
+def think_then_answer(messages, index):
+    return "<think>hmm</think>ok"
+
+
+def test_per_turn_trains_each_turn_of_a_template_that_rewrites_earlier_turns(tmp_path, think_model):
+    """With a think-stripping template and multi_turn = per_turn, each turn is a sample whose
+    prompt is the template's fresh rendering: turn 2's prompt shows turn 1 without its <think>."""
+    config = {
+        "model": str(think_model),
+        "multi_turn": "per_turn",
+        "env": [{"id": "alphabet-sort", "args": {"min_turns": 2, "max_turns": 2, "num_examples": 8, "num_eval_examples": 2}}],
+        "preflight": {"enabled": False},
+        "sampling": {"max_tokens": 32},
+        "transport": {"port": free_port(), "timeout_s": 20},
+        "batch_size": 4,
+        "rollouts_per_example": 2,
+        "max_steps": 1,
+        "seq_len": 1024,
+        "output_dir": str(tmp_path),
+    }
+    with FakeInferenceServer(responder=think_then_answer) as server:
+        config["client"] = {"base_url": server.url, "timeout_s": 10}
+        with orchestrator_process(config, tmp_path) as receive:
+            batch = receive(0)
+    samples = [s for m in batch.micro_batches for s in m.samples]
+    assert len(samples) == 8  # 4 rollouts x 2 turns
+    for first, second in zip(samples[::2], samples[1::2]):
+        ids1, mask1, _ = (a.tolist() for a in sample_arrays(first))
+        ids2, mask2, _ = (a.tolist() for a in sample_arrays(second))
+        sampled = [*b"<think>hmm</think>ok", 258]
+        assert [t for t, m in zip(ids1, mask1) if m] == [t for t, m in zip(ids2, mask2) if m] == sampled
+        text2 = bytes(t for t in ids2 if t < 256).decode()
+        assert text2.count("<think>") == 1 and "assistant\nok" in text2  # turn 1 re-rendered without it
+        assert first.advantage == second.advantage
