@@ -13,20 +13,25 @@ from prime_rl.config import KNOWN_ENVIRONMENTS, EvalRunConfig, RLConfig, SFTConf
 from prime_rl.endpoints import load_endpoints
 from prime_rl.settings import ConfigError, load_config, parse_flags
 
-FLAT_FORM = """
-model = "Qwen/Qwen3-0.6B"
+ISSUE_BLOCK = """model = "Qwen/Qwen3-30B-A3B-Instruct-2507"
 max_steps = 500
 batch_size = 256
 rollouts_per_example = 8
+
 [sampling]
 max_tokens = 512
+
 [[env]]
-id = "primeintellect/reverse-text"
+id = "primeintellect/alphabet-sort"
 args = { min_turns = 3, max_turns = 5, power_per_turn = false }
+
 [wandb]
 project = "alphabet-sort"
 name = "qwen3-30b-i-alphabet-sort"
 """
+"""The documentation's hosted-training block (configs/rl/alphabet-sort.toml holds it verbatim)."""
+
+FLAT_FORM = ISSUE_BLOCK.replace("Qwen3-30B-A3B-Instruct-2507", "Qwen3-0.6B")
 
 
 def write(tmp_path: Path, text: str, name: str = "c.toml") -> Path:
@@ -57,7 +62,7 @@ def test_flat_hosted_form_is_accepted_and_fills_sections(tmp_path):
 
 
 def test_unknown_environment_names_known_ids(tmp_path):
-    text = FLAT_FORM.replace("primeintellect/reverse-text", "primeintellect/alphabet-sorter")
+    text = FLAT_FORM.replace("primeintellect/alphabet-sort", "primeintellect/alphabet-sorter")
     with pytest.raises(ConfigError) as e:
         load_config(RLConfig, [write(tmp_path, text)], [])
     msg = str(e.value)
@@ -121,23 +126,6 @@ def test_contracts_do_not_import_torch_or_vllm():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 
-
-ISSUE_BLOCK = '''model = "Qwen/Qwen3-30B-A3B-Instruct-2507"
-max_steps = 500
-batch_size = 256
-rollouts_per_example = 8
-
-[sampling]
-max_tokens = 512
-
-[[env]]
-id = "primeintellect/alphabet-sort"
-args = { min_turns = 3, max_turns = 5, power_per_turn = false }
-
-[wandb]
-project = "alphabet-sort"
-name = "qwen3-30b-i-alphabet-sort"
-'''
 
 
 @pytest.mark.parametrize("name", ["reverse-text", "alphabet-sort", "gsm8k", "wordle"])
