@@ -9,7 +9,7 @@ from prime_rl.config import SamplingConfig
 from prime_rl.envs import MultiTurnEnv, PromptTooLong, Rubric, Turn
 from transformers import AutoTokenizer
 
-from orchestrator.client import ChatResult
+from orchestrator.client import Completion
 from orchestrator.main import setup
 from orchestrator.sampler import TokenSampler, check_multi_turn_template
 from trainer.sft import tokenize_chat
@@ -101,7 +101,7 @@ class StubInference:
         self.prompts.append((list(prompt_ids), max_tokens))
         ids = self.completions.pop(0)
         text = bytes(t for t in ids if t < 256).decode()
-        return [ChatResult(list(prompt_ids), ids, [-0.5] * len(ids), text, "stop" if ids[-1] == IM_END else "length")] * n
+        return [Completion(list(prompt_ids), ids, [-0.5] * len(ids), text, "stop" if ids[-1] == IM_END else "length")] * n
 
 
 def play(tok, *completions, per_turn=False, seq_len=512, max_tokens=64):

@@ -7,7 +7,7 @@ import time
 import pytest
 from prime_rl.config import ClientConfig
 
-from orchestrator.client import InferenceClient, InferenceError, parse_chat_response
+from orchestrator.client import InferenceClient, InferenceError, parse_completion_choices
 from orchestrator.fake_inference import IM_END, LOGPROB, FakeInferenceServer, encode_chat
 
 from helpers import free_port
@@ -16,6 +16,12 @@ MESSAGES = [
     {"role": "system", "content": "Reverse the text character by character."},
     {"role": "user", "content": "abc"},
 ]
+PROMPT = encode_chat(MESSAGES)  # the token ids the orchestrator renders and sends
+
+
+async def complete(client, max_tokens, temperature=1.0):
+    """One sample of PROMPT (the sampler's call, with n = 1)."""
+    return (await client.complete_n(PROMPT, n=1, max_tokens=max_tokens, temperature=temperature))[0]
 
 
 def run_with_client(server, fn, **config):
@@ -29,20 +35,20 @@ def run_with_client(server, fn, **config):
     return asyncio.run(go())
 
 
-def test_chat_returns_exact_tokens_and_logprobs():
+def test_completion_returns_exact_tokens_and_logprobs():
     with FakeInferenceServer() as server:
-        result = run_with_client(server, lambda c: c.chat(MESSAGES, max_tokens=16, temperature=0.7))
-    assert result.prompt_ids == encode_chat(MESSAGES)
+        result = run_with_client(server, lambda c: complete(c, max_tokens=16, temperature=0.7))
+    assert result.prompt_ids == PROMPT
     assert result.completion_ids == [*b"cba", IM_END]  # the stop token is part of the completion
     assert result.completion_logprobs == [LOGPROB] * 4
     assert (result.text, result.finish_reason) == ("cba", "stop")
     ((_, path, body),) = server.calls
-    assert path == "/v1/chat/completions"
-    assert body["model"] == "tiny" and body["messages"] == MESSAGES
+    assert path == "/v1/completions"
+    assert body["model"] == "tiny" and body["prompt"] == PROMPT  # token ids: vLLM renders nothing
     assert (body["max_tokens"], body["temperature"], body["logprobs"], body["return_token_ids"]) == (
         16,
         0.7,
-        True,
+        0,  # the sampled token's logprob only
         True,
     )
     assert "seed" not in body  # per-request seeds can crash vLLM on CPU
@@ -50,13 +56,13 @@ def test_chat_returns_exact_tokens_and_logprobs():
 
 def test_max_tokens_cut_reports_length():
     with FakeInferenceServer() as server:
-        result = run_with_client(server, lambda c: c.chat(MESSAGES, max_tokens=2, temperature=1.0))
+        result = run_with_client(server, lambda c: complete(c, max_tokens=2, temperature=1.0))
     assert (result.completion_ids, result.finish_reason) == ([*b"cb"], "length")
 
 
 def test_api_key_is_sent_as_bearer():
     with FakeInferenceServer() as server:
-        run_with_client(server, lambda c: c.chat(MESSAGES, max_tokens=4, temperature=1.0), api_key="secret")
+        run_with_client(server, lambda c: complete(c, max_tokens=4, temperature=1.0), api_key="secret")
     assert server.auth_headers == ["Bearer secret"]
 
 
@@ -73,7 +79,7 @@ def test_concurrency_is_capped():
         return "x"
 
     async def many(client):
-        return await asyncio.gather(*[client.chat(MESSAGES, max_tokens=4, temperature=1.0) for _ in range(8)])
+        return await asyncio.gather(*[complete(client, max_tokens=4, temperature=1.0) for _ in range(8)])
 
     with FakeInferenceServer(responder=slow) as server:
         results = run_with_client(server, many, max_concurrency=2)
@@ -136,22 +142,21 @@ def test_wait_healthy_times_out_naming_the_url():
 
 
 def test_server_error_names_url_and_status():
-    with FakeInferenceServer(fail={"/v1/chat/completions": 400}) as server:
-        with pytest.raises(InferenceError, match=r"/v1/chat/completions answered status 400: .*injected"):
-            run_with_client(server, lambda c: c.chat(MESSAGES, max_tokens=4, temperature=1.0))
+    with FakeInferenceServer(fail={"/v1/completions": 400}) as server:
+        with pytest.raises(InferenceError, match=r"/v1/completions answered status 400: .*injected"):
+            run_with_client(server, lambda c: complete(c, max_tokens=4, temperature=1.0))
 
 
 def response(token_ids, logprobs, prompt=(1, 2)):
-    content = [{"token": "x", "logprob": lp, "bytes": [], "top_logprobs": []} for lp in logprobs]
     return {
-        "prompt_token_ids": list(prompt),
         "choices": [
             {
                 "index": 0,
-                "message": {"content": "hi"},
-                "logprobs": {"content": content},
+                "text": "hi",
+                "logprobs": {"token_logprobs": logprobs, "tokens": [], "top_logprobs": []},
                 "finish_reason": "stop",
                 "token_ids": token_ids,
+                "prompt_token_ids": list(prompt),
             }
         ],
     }
@@ -159,29 +164,39 @@ def response(token_ids, logprobs, prompt=(1, 2)):
 
 def test_parse_rejects_logprob_count_mismatch():
     with pytest.raises(InferenceError, match="3 completion token ids but 2 logprobs"):
-        parse_chat_response(response([5, 6, 7], [-0.1, -0.2]))
+        parse_completion_choices(response([5, 6, 7], [-0.1, -0.2]), [1, 2])
 
 
 def test_parse_rejects_missing_token_ids():
     payload = response([5], [-0.1])
-    payload["prompt_token_ids"] = None
+    payload["choices"][0]["token_ids"] = None
     with pytest.raises(InferenceError, match="return_token_ids"):
-        parse_chat_response(payload)
+        parse_completion_choices(payload, [1, 2])
+
+
+def test_parse_rejects_a_prompt_the_server_saw_differently():
+    with pytest.raises(InferenceError, match="prompt_token_ids differ from the token ids sent"):
+        parse_completion_choices(response([5], [-0.1], prompt=(1, 3)), [1, 2])
+
+
+def test_parse_rejects_non_finite_logprobs():
+    with pytest.raises(InferenceError, match="non-finite logprob"):
+        parse_completion_choices(response([5], [float("-inf")]), [1, 2])
 
 
 def test_parse_empty_completion():
     payload = response([], [])
     payload["choices"][0]["logprobs"] = None  # vLLM's shape when nothing was generated
-    assert parse_chat_response(payload).completion_ids == []
+    assert parse_completion_choices(payload, [1, 2])[0].completion_ids == []
 
 
-def test_chat_n_returns_every_choice_from_one_request():
+def test_complete_n_returns_every_choice_from_one_request():
     with FakeInferenceServer() as server:
-        results = run_with_client(server, lambda c: c.chat_n(MESSAGES, n=3, max_tokens=16, temperature=1.0))
+        results = run_with_client(server, lambda c: c.complete_n(PROMPT, n=3, max_tokens=16, temperature=1.0))
     assert len(server.calls) == 1 and server.calls[0][2]["n"] == 3
     # the fake answers sample 0 and 2 reversed, sample 1 echoed
     assert [r.text for r in results] == ["cba", "abc", "cba"]
-    assert all(r.prompt_ids == encode_chat(MESSAGES) for r in results)
+    assert all(r.prompt_ids == PROMPT for r in results)
 
 
 def test_refused_connection_is_retried_until_the_server_is_up():
@@ -194,7 +209,7 @@ def test_refused_connection_is_retried_until_the_server_is_up():
         )
         threading.Timer(0.3, lambda: servers.append(FakeInferenceServer(port=port).start())).start()
         try:
-            return await client.chat(MESSAGES, max_tokens=8, temperature=1.0), client.retries
+            return await complete(client, max_tokens=8, temperature=1.0), client.retries
         finally:
             await client.close()
 
@@ -214,34 +229,34 @@ def test_connection_errors_fail_clearly_after_the_retries():
             ClientConfig(base_url=f"http://127.0.0.1:{port}", timeout_s=5, max_retries=2, retry_backoff_s=0.01), "tiny"
         )
         try:
-            await client.chat(MESSAGES, max_tokens=8, temperature=1.0)
+            await complete(client, max_tokens=8, temperature=1.0)
         finally:
             assert client.retries == 2
             await client.close()
 
-    with pytest.raises(InferenceError, match=rf"POST http://127.0.0.1:{port}/v1/chat/completions failed: ConnectError"):
+    with pytest.raises(InferenceError, match=rf"POST http://127.0.0.1:{port}/v1/completions failed: ConnectError"):
         asyncio.run(go())
 
 
-@pytest.mark.parametrize("fault", [{"fail": {"/v1/chat/completions": 503}}, {"delay": {"/v1/chat/completions": 1.5}}], ids=["http-503", "timeout"])
+@pytest.mark.parametrize("fault", [{"fail": {"/v1/completions": 503}}, {"delay": {"/v1/completions": 1.5}}], ids=["http-503", "timeout"])
 def test_transient_server_errors_and_timeouts_are_retried_and_counted(fault):
-    async def chat_and_count(client):
-        return await client.chat(MESSAGES, max_tokens=8, temperature=1.0), client.retries
+    async def complete_and_count(client):
+        return await complete(client, max_tokens=8, temperature=1.0), client.retries
 
     with FakeInferenceServer(faults_first=2, **fault) as server:
-        result, retries = run_with_client(server, chat_and_count, timeout_s=0.5, max_retries=3, retry_backoff_s=0.01)
+        result, retries = run_with_client(server, complete_and_count, timeout_s=0.5, max_retries=3, retry_backoff_s=0.01)
     assert result.text == "cba"
     assert retries == 2
 
 
 def test_a_server_error_that_persists_fails_after_the_retries():
-    with FakeInferenceServer(fail={"/v1/chat/completions": 503}) as server:
-        with pytest.raises(InferenceError, match=r"/v1/chat/completions answered status 503"):
-            run_with_client(server, lambda c: c.chat(MESSAGES, max_tokens=4, temperature=1.0), max_retries=2, retry_backoff_s=0.01)
-        assert len([c for c in server.calls if c[1] == "/v1/chat/completions"]) == 3
+    with FakeInferenceServer(fail={"/v1/completions": 503}) as server:
+        with pytest.raises(InferenceError, match=r"/v1/completions answered status 503"):
+            run_with_client(server, lambda c: complete(c, max_tokens=4, temperature=1.0), max_retries=2, retry_backoff_s=0.01)
+        assert len([c for c in server.calls if c[1] == "/v1/completions"]) == 3
 
 
 def test_a_request_that_keeps_timing_out_fails_naming_the_wait():
-    with FakeInferenceServer(delay={"/v1/chat/completions": 1.0}) as server:
-        with pytest.raises(InferenceError, match=r"/v1/chat/completions: no answer within 0.3 s \(2 tries\)"):
-            run_with_client(server, lambda c: c.chat(MESSAGES, max_tokens=4, temperature=1.0), timeout_s=0.3, max_retries=1, retry_backoff_s=0.01)
+    with FakeInferenceServer(delay={"/v1/completions": 1.0}) as server:
+        with pytest.raises(InferenceError, match=r"/v1/completions: no answer within 0.3 s \(2 tries\)"):
+            run_with_client(server, lambda c: complete(c, max_tokens=4, temperature=1.0), timeout_s=0.3, max_retries=1, retry_backoff_s=0.01)

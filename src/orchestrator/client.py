@@ -38,7 +38,7 @@ class InferenceError(RuntimeError):
 
 
 @dataclass(frozen=True)
-class ChatResult:
+class Completion:
     prompt_ids: list[int]
     completion_ids: list[int]
     completion_logprobs: list[float]
@@ -76,29 +76,6 @@ class InferenceClient:
 
     # ----------------------------------------------------------------------- sampling
 
-    async def chat(self, messages: list[dict[str, Any]], *, max_tokens: int, temperature: float) -> ChatResult:
-        return (await self.chat_n(messages, n=1, max_tokens=max_tokens, temperature=temperature))[0]
-
-    async def chat_n(
-        self, messages: list[dict[str, Any]], *, n: int, max_tokens: int, temperature: float
-    ) -> list[ChatResult]:
-        """``n`` independent samples of one prompt in one request (one prefill, one HTTP round trip)."""
-        body = {
-            "model": self.model_name,
-            "messages": messages,
-            "max_tokens": max_tokens,
-            "temperature": temperature,
-            "logprobs": True,
-            "return_token_ids": True,
-            "n": n,
-        }
-        async with self._slots:
-            response = await self._post("/v1/chat/completions", json=body)
-        results = parse_chat_choices(response.json())
-        if len(results) != n:
-            raise InferenceError(f"asked for {n} choices, the server returned {len(results)}")
-        return results
-
     async def chat_text_n(
         self, messages: list[dict[str, Any]], *, n: int, max_tokens: int | None, temperature: float | None
     ) -> list[tuple[str, str | None]]:
@@ -127,7 +104,7 @@ class InferenceClient:
 
     async def complete_n(
         self, prompt_ids: list[int], *, n: int, max_tokens: int, temperature: float
-    ) -> list[ChatResult]:
+    ) -> list[Completion]:
         """``n`` samples continuing the token-id prompt ``prompt_ids`` (one request)."""
         body = {
             "model": self.model_name,
@@ -238,39 +215,12 @@ def _reset_succeeded(response: httpx.Response) -> bool:
     return not isinstance(payload, dict) or payload.get("success", True) is not False
 
 
-def parse_chat_response(payload: dict[str, Any]) -> ChatResult:
-    """The first choice of a vLLM chat completion, with its exact tokens and logprobs."""
-    return parse_chat_choices(payload)[0]
-
-
-def parse_chat_choices(payload: dict[str, Any]) -> list[ChatResult]:
-    """Every choice of a vLLM chat completion (in choice order), with exact tokens and logprobs."""
-    prompt_ids = payload.get("prompt_token_ids")
-    choices = sorted(payload.get("choices") or [], key=lambda c: c.get("index", 0))
-    if not choices:
-        raise InferenceError(f"chat completion has no choices: {str(payload)[:300]}")
-    if prompt_ids is None:
-        raise InferenceError(_NO_TOKEN_IDS)
-    return [_parse_choice(choice, [int(t) for t in prompt_ids]) for choice in choices]
-
-
 _NO_TOKEN_IDS = (
-    "chat completion lacks prompt_token_ids / choices[i].token_ids: the server must be vLLM and honour "
-    "`return_token_ids` (and not hide them behind a reasoning parser with include_reasoning=false)"
+    "completion lacks choices[i].token_ids: the server must be vLLM and honour `return_token_ids`"
 )
 
 
-def _parse_choice(choice: dict[str, Any], prompt_ids: list[int]) -> ChatResult:
-    completion_ids = choice.get("token_ids")
-    if completion_ids is None:
-        raise InferenceError(_NO_TOKEN_IDS)
-    content = (choice.get("logprobs") or {}).get("content") or []
-    logprobs = [float(entry["logprob"]) for entry in content]
-    text = (choice.get("message") or {}).get("content") or ""
-    return _checked(prompt_ids, [int(t) for t in completion_ids], logprobs, text, choice)
-
-
-def parse_completion_choices(payload: dict[str, Any], prompt_ids: list[int]) -> list[ChatResult]:
+def parse_completion_choices(payload: dict[str, Any], prompt_ids: list[int]) -> list[Completion]:
     """Every choice of a vLLM completion of a token-id prompt, in choice order."""
     choices = sorted(payload.get("choices") or [], key=lambda c: c.get("index", 0))
     if not choices:
@@ -284,15 +234,13 @@ def parse_completion_choices(payload: dict[str, Any], prompt_ids: list[int]) -> 
         if completion_ids is None:
             raise InferenceError(_NO_TOKEN_IDS)
         logprobs = [float(lp) for lp in ((choice.get("logprobs") or {}).get("token_logprobs") or [])]
-        results.append(_checked(prompt_ids, [int(t) for t in completion_ids], logprobs, choice.get("text") or "", choice))
+        if len(logprobs) != len(completion_ids):
+            raise InferenceError(
+                f"completion has {len(completion_ids)} completion token ids but {len(logprobs)} logprobs; "
+                "they must match one to one"
+            )
+        if not all(math.isfinite(lp) for lp in logprobs):
+            raise InferenceError("completion has a non-finite logprob")
+        ids = [int(t) for t in completion_ids]
+        results.append(Completion(prompt_ids, ids, logprobs, choice.get("text") or "", choice.get("finish_reason")))
     return results
-
-
-def _checked(prompt_ids: list[int], completion_ids: list[int], logprobs: list[float], text: str, choice: dict) -> ChatResult:
-    if len(logprobs) != len(completion_ids):
-        raise InferenceError(
-            f"completion has {len(completion_ids)} completion token ids but {len(logprobs)} logprobs; they must match one to one"
-        )
-    if not all(math.isfinite(lp) for lp in logprobs):
-        raise InferenceError("completion has a non-finite logprob")
-    return ChatResult(prompt_ids, completion_ids, logprobs, text, choice.get("finish_reason"))

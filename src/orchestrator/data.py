@@ -45,10 +45,6 @@ class ExampleOrder:
             self._perms[key] = np.random.default_rng([self.seed, env, epoch]).permutation(self.sizes[env])
         return self._perms[key]
 
-    @property
-    def cursor(self) -> dict[str, list[int]]:
-        return self.state_dict()
-
     def state_dict(self) -> dict[str, list[int]]:
         return {"counts": list(self.counts)}
 

@@ -303,7 +303,7 @@ def setup(argv: list[str]) -> tuple[OrchestratorConfig, list[tuple[str, Environm
         envs = [(env_cfg.metric_name, load_env(env_cfg)) for env_cfg in cfg.env]
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    for (name, env), env_cfg in zip(envs, cfg.env):
+    for (_, env), env_cfg in zip(envs, cfg.env):
         if not env.dataset:
             raise ConfigError(f"environment {env_cfg.id!r} has no training examples (only an eval split)")
     tokenizer = load_tokenizer(cfg.tokenizer or cfg.model)
