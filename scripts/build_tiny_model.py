@@ -12,9 +12,38 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+# ChatML with Qwen3's tool format (its wording, `<tools>` in the system message, `<tool_call>`
+# JSON in assistant turns, tool results as `<tool_response>` blocks of a user turn), without
+# Qwen3's <think> stripping: every turn renders as an extension of the previous ones.
 CHAT_TEMPLATE = (
+    "{% set first = 0 %}"
+    "{% if tools %}"
+    "<|im_start|>system\n"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n\n{% set first = 1 %}{% endif %}"
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+    "{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}"
+    "{{ '\\n' }}</tools>\n\nFor each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": "
+    "<args-json-object>}\n</tool_call><|im_end|>\n"
+    "{% endif %}"
     "{% for message in messages %}"
-    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% if loop.index0 == 0 and first == 1 %}"
+    "{% elif message['role'] == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}<|im_start|>user{% endif %}"
+    "{{ '\\n' }}<tool_response>\n{{ message['content'] }}\n</tool_response>"
+    "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}<|im_end|>\n{% endif %}"
+    "{% else %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] or '' }}"
+    "{% for call in message.get('tool_calls') or [] %}"
+    "{% set call = call['function'] if call['function'] is defined else call %}"
+    "{% if message['content'] or not loop.first %}{{ '\\n' }}{% endif %}"
+    "<tool_call>\n{\"name\": \"{{ call['name'] }}\", \"arguments\": "
+    "{% if call['arguments'] is string %}{{ call['arguments'] }}{% else %}{{ call['arguments'] | tojson }}{% endif %}"
+    "}\n</tool_call>"
+    "{% endfor %}"
+    "<|im_end|>\n"
+    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )

@@ -6,6 +6,8 @@ group holds vLLM's engine processes too. What RL needs from vLLM:
 - token ids and logprobs on every completion (`return_token_ids` in each request);
 - logprobs after temperature scaling (`--logprobs-mode processed_logprobs`), the same
   quantity the trainer recomputes from logits / temperature;
+- tool calls parsed by vLLM's own tool-call parser (`tool_call_parser`), on the exact
+  tokens sampled (the `/v1/chat/completions/derender` route);
 - weight reload without restart: the dev-mode admin routes (`/pause`, `/collective_rpc`
   with `reload_weights`, `/reset_prefix_cache`, `/resume`), enabled by
   VLLM_SERVER_DEV_MODE=1. The orchestrator drives them.
@@ -43,6 +45,10 @@ def vllm_command(cfg: InferenceConfig, cpu: bool) -> list[str]:
         cmd.append("--enforce-eager")
     if cfg.api_key:
         cmd += ["--api-key", cfg.api_key]
+    if cfg.tool_call_parser:
+        # vLLM's parser reads the calls; /v1/chat/completions/derender (a scale-out route)
+        # runs it on the token ids the orchestrator sampled through /v1/completions
+        cmd += ["--enable-auto-tool-choice", "--tool-call-parser", cfg.tool_call_parser, "--enable-scale-out"]
     if not cpu:
         cmd += ["--gpu-memory-utilization", str(cfg.gpu_memory_utilization)]
     return cmd + list(cfg.extra_args)

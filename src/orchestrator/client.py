@@ -8,7 +8,9 @@ Speaks plain HTTP (httpx) to vLLM's OpenAI-compatible server. Training samples t
 exact tokens of the turns before it). vLLM-specific request fields: ``return_token_ids``
 makes it return ``choices[i].prompt_token_ids`` and ``choices[i].token_ids``;
 ``logprobs: 0`` gives the sampled tokens' ``choices[i].logprobs.token_logprobs``. No
-per-request ``seed``: it can crash the CPU engine (MACHINE_FACTS).
+per-request ``seed``: it can crash the CPU engine (MACHINE_FACTS). Tool calls in those
+completions are parsed by vLLM's own parser through ``/v1/chat/completions/derender``
+(a vLLM server started with ``--enable-scale-out`` and ``--tool-call-parser``).
 
 The client knows nothing about environments, steps or the run directory.
 """
@@ -16,6 +18,7 @@ The client knows nothing about environments, steps or the run directory.
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import time
 from dataclasses import dataclass
@@ -24,6 +27,7 @@ from typing import Any
 
 import httpx
 from prime_rl.config import ClientConfig
+from prime_rl.envs import ToolCall
 
 # /reset_prefix_cache answers 200 with {"success": false} while KV blocks are still held;
 # vLLM's docs say to retry. After /pause?mode=wait nothing runs, so a few tries suffice.
@@ -77,13 +81,21 @@ class InferenceClient:
     # ----------------------------------------------------------------------- sampling
 
     async def chat_text_n(
-        self, messages: list[dict[str, Any]], *, n: int, max_tokens: int | None, temperature: float | None
-    ) -> list[tuple[str, str | None]]:
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        n: int,
+        max_tokens: int | None,
+        temperature: float | None,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[tuple[str, str | None, tuple[ToolCall, ...]]]:
         """``n`` replies of a text-only OpenAI-compatible chat API (an API model under eval):
-        ``(content, finish_reason)`` of every choice, in order; no tokens, no vLLM fields.
-        Settings left at None are the server's. The base URL may end in ``/v1`` (an endpoint's,
-        as written in endpoints.toml) or not (a vLLM server's)."""
+        ``(content, finish_reason, tool_calls)`` of every choice, in order; no tokens, no vLLM
+        fields. Settings left at None are the server's. The base URL may end in ``/v1`` (an
+        endpoint's, as written in endpoints.toml) or not (a vLLM server's)."""
         body: dict[str, Any] = {"model": self.model_name, "messages": messages, "n": n}
+        if tools:
+            body["tools"] = tools
         if max_tokens is not None:
             body["max_tokens"] = max_tokens
         if temperature is not None:
@@ -100,7 +112,7 @@ class InferenceClient:
             raise InferenceError(
                 f"POST {self.base_url}{path}: asked for {n} choices, got {len(choices)} (does the server support `n`?)"
             )
-        return [((c.get("message") or {}).get("content") or "", c.get("finish_reason")) for c in choices]
+        return [_chat_choice(c) for c in choices]
 
     async def complete_n(
         self, prompt_ids: list[int], *, n: int, max_tokens: int, temperature: float
@@ -121,6 +133,30 @@ class InferenceClient:
         if len(results) != n:
             raise InferenceError(f"asked for {n} choices, the server returned {len(results)}")
         return results
+
+    async def parse_tool_calls(
+        self, prompt_ids: list[int], completions: list[list[int]], tools: list[dict[str, Any]]
+    ) -> list[tuple[str, tuple[ToolCall, ...]]]:
+        """``(content, tool_calls)`` of each sampled completion, parsed by the server's own
+        tool-call parser (vLLM's ``/v1/chat/completions/derender``: the parser chosen with
+        ``--tool-call-parser``, here run on the exact tokens we sampled). Pass completions
+        without their end-of-turn token, which is not content."""
+        generated = [{"index": i, "finish_reason": "stop", "token_ids": ids or [0]} for i, ids in enumerate(completions)]
+        body = {
+            "generate_response": {"choices": generated},
+            "prompt_token_ids": list(prompt_ids[-16:]),  # seeds detokenization only
+            "chat_request": {"model": self.model_name, "messages": [{"role": "user", "content": ""}], "tools": tools},
+        }
+        async with self._slots:
+            response = await self._post("/v1/chat/completions/derender", json=body)
+        choices = sorted(response.json().get("choices") or [], key=lambda c: c.get("index", 0))
+        if len(choices) != len(completions):
+            raise InferenceError(f"tool-call parsing: sent {len(completions)} completions, got {len(choices)} back")
+        parsed = []
+        for choice, ids in zip(choices, completions):
+            content, _, calls = _chat_choice(choice)
+            parsed.append((content, calls) if ids else ("", ()))
+        return parsed
 
     # ----------------------------------------------------------------------- admin
 
@@ -218,6 +254,19 @@ def _reset_succeeded(response: httpx.Response) -> bool:
 _NO_TOKEN_IDS = (
     "completion lacks choices[i].token_ids: the server must be vLLM and honour `return_token_ids`"
 )
+
+
+def _chat_choice(choice: dict[str, Any]) -> tuple[str, str | None, tuple[ToolCall, ...]]:
+    """(content, finish_reason, tool calls) of one chat completion choice."""
+    message = choice.get("message") or {}
+    calls = []
+    for i, call in enumerate(message.get("tool_calls") or []):
+        function = call.get("function") or {}
+        arguments = function.get("arguments")
+        if not isinstance(arguments, str):
+            arguments = json.dumps(arguments if arguments is not None else {})
+        calls.append(ToolCall(str(call.get("id") or f"call_{i}"), str(function.get("name") or ""), arguments))
+    return message.get("content") or "", choice.get("finish_reason"), tuple(calls)
 
 
 def parse_completion_choices(payload: dict[str, Any], prompt_ids: list[int]) -> list[Completion]:

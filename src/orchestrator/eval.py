@@ -80,6 +80,12 @@ def setup(argv: list[str]) -> tuple[EvalRunConfig, list[tuple[EvalEnvConfig, Env
     except ValueError as e:
         raise ConfigError(str(e)) from None
     tokenizer = load_tokenizer(cfg.inference.model) if cfg.target.type == "local" else None
+    for entry, env in envs:
+        if env.tool_defs and cfg.target.type == "local" and cfg.inference.tool_call_parser is None:
+            raise ConfigError(
+                f"environment {entry.id!r} calls tools: set `[inference] tool_call_parser` to vLLM's parser for the "
+                "model family (\"hermes\" for Qwen3, Qwen2.5 and the tiny test model)"
+            )
     return cfg, envs, tokenizer
 
 
@@ -111,7 +117,7 @@ def token_sampler(cfg: EvalRunConfig, client: InferenceClient, tokenizer) -> Mod
     )
     # per_turn: each turn's prompt is the template's rendering of the whole chat, as a chat
     # API does; nothing is trained on, so no template has to render turns as extensions.
-    return TokenSampler(client, tokenizer, sampling, seq_len, per_turn=True)
+    return TokenSampler(client, tokenizer, sampling, seq_len, per_turn=True, tool_call_parser=cfg.inference.tool_call_parser)
 
 
 SAMPLERS: dict[str, Callable[[EvalRunConfig, InferenceClient, object], ModelClient]] = {

@@ -192,7 +192,9 @@ async def run(cfg: OrchestratorConfig, envs: list[tuple[str, Environment]], toke
     record_progress = cfg.ckpt.interval > 0
     metrics = make_metrics("orchestrator", cfg.output_dir, CONSOLE_KEYS, cfg.wandb, cfg.model_dump(mode="json"))
     client = InferenceClient(cfg.client, cfg.model)
-    sampler = TokenSampler(client, tokenizer, cfg.sampling, cfg.seq_len, per_turn=cfg.multi_turn == "per_turn")
+    sampler = TokenSampler(
+        client, tokenizer, cfg.sampling, cfg.seq_len, per_turn=cfg.multi_turn == "per_turn", tool_call_parser=cfg.tool_call_parser
+    )
     sender, delivered = None, False
     try:
         sender = BatchSender(cfg.transport, cfg.num_trainer_ranks)  # bind early so trainer ranks can connect
@@ -306,6 +308,12 @@ def setup(argv: list[str]) -> tuple[OrchestratorConfig, list[tuple[str, Environm
     for (_, env), env_cfg in zip(envs, cfg.env):
         if not env.dataset:
             raise ConfigError(f"environment {env_cfg.id!r} has no training examples (only an eval split)")
+    for (_, env), env_cfg in zip(envs, cfg.env):
+        if env.tool_defs and cfg.tool_call_parser is None:
+            raise ConfigError(
+                f"environment {env_cfg.id!r} calls tools: set `[inference] tool_call_parser` to vLLM's parser for "
+                "the model family (\"hermes\" for Qwen3, Qwen2.5 and the tiny test model)"
+            )
     tokenizer = load_tokenizer(cfg.tokenizer or cfg.model)
     if cfg.multi_turn == "sequence" and any(env.max_turns != 1 for _, env in envs):
         try:

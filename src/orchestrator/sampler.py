@@ -21,48 +21,77 @@ The samplers know nothing of steps, advantages or the trainer.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from prime_rl.chat import PROBE_CHAT, TemplateError, assistant_span, check_extension, end_of_turn_ids, render_ids
 from prime_rl.config import EvalSamplingConfig, SamplingConfig
-from prime_rl.envs import Messages, ModelReply, PromptTooLong, Turn
+from prime_rl.envs import Messages, ModelReply, PromptTooLong, ToolCall, Turn
 
-from orchestrator.client import InferenceClient
+from orchestrator.client import Completion, InferenceClient
 
 
 class TokenSampler:
-    def __init__(self, client: InferenceClient, tokenizer, sampling: SamplingConfig, seq_len: int, per_turn: bool = False):
+    def __init__(
+        self,
+        client: InferenceClient,
+        tokenizer,
+        sampling: SamplingConfig,
+        seq_len: int,
+        per_turn: bool = False,
+        tool_call_parser: str | None = None,
+    ):
         self.client = client
         self.tokenizer = tokenizer
         self.sampling = sampling
         self.seq_len = seq_len
         self.per_turn = per_turn
+        self.tool_call_parser = tool_call_parser
         self._end_of_turn = end_of_turn_ids(tokenizer)
 
-    async def reply(self, messages: Messages, context: Sequence[Turn], n: int = 1) -> list[ModelReply]:
-        """``n`` replies to ``messages``, whose earlier turns were sampled as ``context``."""
+    async def reply(
+        self, messages: Messages, context: Sequence[Turn], n: int = 1, tools: list[dict[str, Any]] | None = None
+    ) -> list[ModelReply]:
+        """``n`` replies to ``messages``, whose earlier turns were sampled as ``context``; with
+        ``tools``, the template shows them and the server's parser reads the calls."""
         if context and not self.per_turn:
             prefix = [t for turn in context for t in (*turn.prompt_ids, *turn.completion_ids)]
-            new = self.bridge(messages, context[-1])
+            new = self.bridge(messages, context[-1], tools)
             prompt = prefix + new
         else:
-            prompt = new = render_ids(self.tokenizer, messages, add_generation_prompt=True)
+            prompt = new = render_ids(self.tokenizer, messages, add_generation_prompt=True, tools=tools)
         room = self.seq_len - len(prompt)
         if room < 1:
             raise PromptTooLong(f"the prompt has {len(prompt)} tokens; seq_len is {self.seq_len}")
         results = await self.client.complete_n(
             prompt, n=n, max_tokens=min(self.sampling.max_tokens, room), temperature=self.sampling.temperature
         )
+        parsed = await self.parse_tool_calls(prompt, results, tools) if tools else [(r.text, ()) for r in results]
         return [
-            ModelReply(r.text, r.finish_reason, Turn(list(new), r.completion_ids, r.completion_logprobs)) for r in results
+            ModelReply(text, r.finish_reason, Turn(list(new), r.completion_ids, r.completion_logprobs), calls)
+            for r, (text, calls) in zip(results, parsed)
         ]
 
-    def bridge(self, messages: Messages, last: Turn) -> list[int]:
+    async def parse_tool_calls(
+        self, prompt: list[int], results: list[Completion], tools: list[dict[str, Any]]
+    ) -> list[tuple[str, tuple[ToolCall, ...]]]:
+        """(content, tool calls) of each completion, by vLLM's tool-call parser."""
+        if self.tool_call_parser is None:
+            raise TemplateError(
+                "an environment offers tools but no tool-call parser is configured: set `[inference] "
+                "tool_call_parser` (e.g. \"hermes\" for Qwen3 and the tiny model)"
+            )
+        completions = [r.completion_ids for r in results]
+        completions = [ids[:-1] if ids and ids[-1] in self._end_of_turn else ids for ids in completions]
+        return await self.client.parse_tool_calls(prompt, completions, tools)
+
+    def bridge(self, messages: Messages, last: Turn, tools: list[dict[str, Any]] | None = None) -> list[int]:
         """Tokens between the last assistant turn's sampled tokens and the next generation:
         the template's closing of that turn (just its glue when the model emitted the
-        end-of-turn token itself), then the messages after it and the generation prompt."""
+        end-of-turn token itself), then the messages after it (environment replies, tool
+        results) and the generation prompt."""
         j = max(i for i, m in enumerate(messages) if m.get("role") == "assistant")
-        upto, _, end, close = assistant_span(self.tokenizer, messages, j)
-        full = render_ids(self.tokenizer, messages, add_generation_prompt=True)
+        upto, _, end, close = assistant_span(self.tokenizer, messages, j, tools)
+        full = render_ids(self.tokenizer, messages, add_generation_prompt=True, tools=tools)
         if full[: len(upto)] != upto:
             raise TemplateError(
                 f"the chat template re-renders assistant message {j} once later messages follow; "
@@ -99,8 +128,10 @@ class ChatSampler:
         self.client = client
         self.sampling = sampling
 
-    async def reply(self, messages: Messages, context: Sequence[Turn], n: int = 1) -> list[ModelReply]:
+    async def reply(
+        self, messages: Messages, context: Sequence[Turn], n: int = 1, tools: list[dict[str, Any]] | None = None
+    ) -> list[ModelReply]:
         results = await self.client.chat_text_n(
-            messages, n=n, max_tokens=self.sampling.max_tokens, temperature=self.sampling.temperature
+            messages, n=n, max_tokens=self.sampling.max_tokens, temperature=self.sampling.temperature, tools=tools
         )
-        return [ModelReply(text, finish_reason, turn=None) for text, finish_reason in results]
+        return [ModelReply(text, finish_reason, None, calls) for text, finish_reason, calls in results]

@@ -21,6 +21,8 @@ from __future__ import annotations
 from typing import Any
 
 Messages = list[dict[str, Any]]
+Tools = list[dict[str, Any]] | None
+"""OpenAI tool schemas the template shows the model (None or empty: no tools)."""
 
 # A conversation that exercises what templates rewrite: reasoning blocks in assistant turns.
 PROBE_CHAT: Messages = [
@@ -54,11 +56,13 @@ def encode_plain(tokenizer, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
 
 
-def render_text(tokenizer, messages: Messages, add_generation_prompt: bool = False) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+def render_text(tokenizer, messages: Messages, add_generation_prompt: bool = False, tools: Tools = None) -> str:
+    return tokenizer.apply_chat_template(
+        messages, tools=tools or None, tokenize=False, add_generation_prompt=add_generation_prompt
+    )
 
 
-def render_ids(tokenizer, messages: Messages, add_generation_prompt: bool = False) -> list[int]:
+def render_ids(tokenizer, messages: Messages, add_generation_prompt: bool = False, tools: Tools = None) -> list[int]:
     """The template's rendering of ``messages`` as token ids, where message contents never
     become control tokens.
 
@@ -67,7 +71,7 @@ def render_ids(tokenizer, messages: Messages, add_generation_prompt: bool = Fals
     the rendered text (in message order) and tokenized as plain text, the glue around it as
     usual. A template that changes such a content beyond recognition is refused.
     """
-    text = render_text(tokenizer, messages, add_generation_prompt)
+    text = render_text(tokenizer, messages, add_generation_prompt, tools)
     controls = control_token_strings(tokenizer)
     risky = [str(m.get("content")) for m in messages if isinstance(m.get("content"), str) and any(c in m["content"] for c in controls)]
     if not risky:
@@ -94,7 +98,7 @@ def end_of_turn_ids(tokenizer) -> set[int]:
     return ids
 
 
-def assistant_span(tokenizer, messages: Messages, index: int) -> tuple[list[int], int, int, int]:
+def assistant_span(tokenizer, messages: Messages, index: int, tools: Tools = None) -> tuple[list[int], int, int, int]:
     """Where assistant message ``index`` lies in the rendering of ``messages[:index + 1]``.
 
     Returns (ids, start, end, close): ``ids[start:end]`` is what the model generates for it
@@ -103,8 +107,8 @@ def assistant_span(tokenizer, messages: Messages, index: int) -> tuple[list[int]
     onwards, ``close == end`` when the template writes none). Raises ``TemplateError`` when
     the rendering up to the turn does not extend the prompt the model saw.
     """
-    prefix = render_ids(tokenizer, messages[:index], add_generation_prompt=True)
-    ids = render_ids(tokenizer, messages[: index + 1])
+    prefix = render_ids(tokenizer, messages[:index], add_generation_prompt=True, tools=tools)
+    ids = render_ids(tokenizer, messages[: index + 1], tools=tools)
     if ids[: len(prefix)] != prefix:
         raise TemplateError(f"message {index} (assistant) does not extend the prompt rendered before it", index)
     turn = ids[len(prefix) :]

@@ -31,7 +31,9 @@ class StrictModel(BaseModel):
 # --------------------------------------------------------------------------- environments
 
 # Ids the orchestrator ships (`orchestrator.envs.REGISTRY` must match; a test checks it).
-KNOWN_ENVIRONMENTS = ("reverse-text", "alphabet-sort", "gsm8k", "wordle")
+KNOWN_ENVIRONMENTS = ("reverse-text", "alphabet-sort", "gsm8k", "wordle", "wiki-search", "math-python")
+TOOL_ENVIRONMENTS = ("wiki-search", "math-python")
+"""Built-ins that call tools: they need `[inference] tool_call_parser`."""
 _HUB_PREFIX = "primeintellect/"
 
 
@@ -348,6 +350,9 @@ class OrchestratorConfig(StrictModel):
     tokenizer: str | None = None
     """Tokenizer (HF id or local path) that renders prompts; None = `model`."""
 
+    tool_call_parser: str | None = None
+    """vLLM's tool-call parser the inference server runs (filled from `inference.tool_call_parser`); tool environments need one."""
+
     multi_turn: Literal["sequence", "per_turn"] = "sequence"
     """How a multi-turn rollout is trained: `sequence` = one sample with every turn's exact tokens (needs a chat template that renders each turn as an extension of the previous ones); `per_turn` = one sample per turn, its prompt the template's rendering of the conversation so far (for templates that rewrite earlier turns, e.g. Qwen3's <think> stripping)."""
 
@@ -449,6 +454,9 @@ class InferenceConfig(StrictModel):
 
     cpu_threads_bind: str | None = None
     """VLLM_CPU_OMP_THREADS_BIND (e.g. `0` or `0-1`); None leaves vLLM's default."""
+
+    tool_call_parser: str | None = None
+    """vLLM's tool-call parser for the model family (`--tool-call-parser`, with `--enable-auto-tool-choice`): `hermes` for Qwen3, Qwen2.5 and the tiny test model. Tool environments need it; None = no tool calls."""
 
     extra_args: list[str] = []
     """Extra command-line flags passed to the vLLM server as written."""
@@ -552,6 +560,15 @@ class RLConfig(StrictModel):
             client.model_fields_set.discard("base_url")
         if client.api_key is None and self.inference.api_key is not None:
             client.api_key = self.inference.api_key
+        if self.orchestrator.tool_call_parser is None and self.inference.tool_call_parser is not None:
+            self.orchestrator.tool_call_parser = self.inference.tool_call_parser
+            self.orchestrator.model_fields_set.discard("tool_call_parser")
+        for env in self.orchestrator.env:
+            if environment_name(env.id) in TOOL_ENVIRONMENTS and self.inference.tool_call_parser is None:
+                raise ValueError(
+                    f"environment {env.id!r} calls tools: set `[inference] tool_call_parser` to vLLM's parser "
+                    "for the model family (\"hermes\" for Qwen3, Qwen2.5 and the tiny test model)"
+                )
         # One checkpoint schedule for both processes: the orchestrator follows the trainer's.
         if "ckpt" not in self.orchestrator.model_fields_set:
             self.orchestrator.ckpt = self.trainer.ckpt.model_copy()

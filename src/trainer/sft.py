@@ -2,8 +2,9 @@
 
     python -m trainer.sft --config sft.toml [--dotted.flags]
 
-Reads JSONL lines ``{"messages": [...]}``, tokenizes each chat with the model's own chat
-template and trains on the assistant tokens only, then writes the model + tokenizer to
+Reads JSONL lines ``{"messages": [...]}`` (plus ``"tools": [...]``, OpenAI tool schemas,
+for tool-use traces), tokenizes each chat with the model's own chat template and trains on
+the assistant tokens only (tool calls included, tool results excluded), then writes the model + tokenizer to
 ``output_dir`` (HF format) with the ``STABLE`` marker last, so RL can start from it.
 """
 
@@ -113,10 +114,11 @@ def load_examples(path: Path, tokenizer, seq_len: int) -> list[Example]:
         if not line.strip():
             continue
         try:
-            messages = json.loads(line)["messages"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            row = json.loads(line)
+            messages, tools = row["messages"], row.get("tools")
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
             raise ValueError(f"{path}:{lineno}: expected a JSON object with `messages`: {e}") from None
-        ids, mask = tokenize_chat(tokenizer, messages)
+        ids, mask = tokenize_chat(tokenizer, messages, tools)
         ids, mask = ids[:seq_len], mask[:seq_len]
         if sum(mask[1:]) == 0:
             dropped += 1
@@ -129,7 +131,7 @@ def load_examples(path: Path, tokenizer, seq_len: int) -> list[Example]:
     return examples
 
 
-def tokenize_chat(tokenizer, messages: list[dict]) -> Example:
+def tokenize_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> Example:
     """(input_ids, loss_mask) with 1 exactly on the tokens of each assistant turn.
 
     Generic for any chat template (``prime_rl.chat``, the same rendering RL prompts use): a
@@ -138,13 +140,13 @@ def tokenize_chat(tokenizer, messages: list[dict]) -> Example:
     writes after that (ChatML's newline) is formatting the model never generates. Message
     contents never become control tokens.
     """
-    ids = render_ids(tokenizer, messages)
+    ids = render_ids(tokenizer, messages, tools=tools)
     mask = [0] * len(ids)
     for i, message in enumerate(messages):
         if message.get("role") != "assistant":
             continue
         try:
-            upto, start, end, _ = assistant_span(tokenizer, messages, i)
+            upto, start, end, _ = assistant_span(tokenizer, messages, i, tools)
         except TemplateError:
             upto, start, end = [], 0, 0
         if not upto or ids[: len(upto)] != upto:

@@ -1,6 +1,6 @@
 """Writing environments for prime-rl: the one import users need.
 
-    from prime_rl.envs import SingleTurnEnv, MultiTurnEnv, Rubric, XMLParser
+    from prime_rl.envs import SingleTurnEnv, MultiTurnEnv, ToolEnv, Rubric, XMLParser
 
     def load_environment(**args) -> Environment: ...
 
@@ -15,7 +15,18 @@ from prime_rl.envs.data import DatasetUnavailable, load_rows
 from prime_rl.envs.env import Environment, MultiTurnEnv, SingleTurnEnv
 from prime_rl.envs.parser import Parser, ThinkParser, XMLParser
 from prime_rl.envs.rubric import Rubric, Score
-from prime_rl.envs.types import Example, Messages, ModelClient, ModelReply, PromptTooLong, Rollout, State, Turn
+from prime_rl.envs.tools import StatefulToolEnv, ToolEnv, tool_schema
+from prime_rl.envs.types import (
+    Example,
+    Messages,
+    ModelClient,
+    ModelReply,
+    PromptTooLong,
+    Rollout,
+    State,
+    ToolCall,
+    Turn,
+)
 
 __all__ = [
     "DatasetUnavailable",
@@ -32,8 +43,12 @@ __all__ = [
     "Score",
     "SingleTurnEnv",
     "State",
+    "StatefulToolEnv",
     "ThinkParser",
+    "ToolCall",
+    "ToolEnv",
     "Turn",
     "XMLParser",
     "load_rows",
+    "tool_schema",
 ]

@@ -5,11 +5,11 @@ Users subclass ``SingleTurnEnv`` (one model call, then the rubric) or ``MultiTur
 the per-turn tokens and the scoring belong to the base class:
 
     state = initial_state(example); setup_state(state)
-    loop:   reply = model(messages)                       # exact tokens of this turn kept
+    loop:   reply = model(messages, tools)                # exact tokens of this turn kept
             messages += [assistant reply]
             stop if is_completed(messages, state) or max_turns reached
             messages += env_response(messages, state)     # in the sequence, out of the loss
-    score = rubric(prompt, completion, answer, info, state, ...)
+    score = rubric(prompt, completion, answer, info, state, ...); teardown_state(state)
 
 The first model call of a group is one request for all of its rollouts (they share the
 prompt); each rollout then continues on its own. An environment never sees tokenizers,
@@ -37,6 +37,8 @@ class Environment:
     """A dataset of examples, a rubric that scores rollouts, and the rollout loop."""
 
     max_turns: int = 1
+    tool_defs: list[dict[str, Any]] = []
+    """OpenAI tool schemas offered to the model on every call (``ToolEnv`` fills them)."""
 
     def __init__(
         self,
@@ -118,18 +120,28 @@ class Environment:
     async def rollout_group(self, client: ModelClient, example: Example, n: int) -> list[Rollout]:
         """``n`` scored rollouts of one example; the first turn is one request with ``n`` replies."""
         try:
-            first = await client.reply(example.prompt, [], n)
+            first = await client.reply(example.prompt, [], n, **self._offered_tools())
         except PromptTooLong:
             first = [None] * n
         return list(await asyncio.gather(*(self._play(client, example, reply) for reply in first)))
 
+    def _offered_tools(self) -> dict[str, Any]:
+        # only tool environments pass `tools`, so clients written before tools still work
+        return {"tools": self.tool_defs} if self.tool_defs else {}
+
     async def _play(self, client: ModelClient, example: Example, reply: ModelReply | None) -> Rollout:
         state = await maybe_await(self.setup_state(self.initial_state(example)))
+        try:
+            return await self._play_and_score(client, example, reply, state)
+        finally:
+            await maybe_await(self.teardown_state(state))
+
+    async def _play_and_score(self, client: ModelClient, example: Example, reply: ModelReply | None, state: State) -> Rollout:
         messages = list(example.prompt)
         turns, stop = [], "prompt_too_long"
         while reply is not None:
-            # the model's turn: its exact tokens are kept, its text joins the conversation
-            messages.append({"role": "assistant", "content": reply.text})
+            # the model's turn: its exact tokens are kept, its message joins the conversation
+            messages.append(reply.message())
             if reply.turn is not None:
                 turns.append(reply.turn)
             state["turn"] += 1
@@ -143,19 +155,20 @@ class Environment:
             messages.extend(await self._env_response(messages, state))
             state["completion"] = messages[len(example.prompt):]
             try:
-                (reply,) = await client.reply(messages, turns, 1)
+                (reply,) = await client.reply(messages, turns, 1, **self._offered_tools())
             except PromptTooLong:
                 stop = "prompt_too_long"
                 reply = None
         state["completion"] = messages[len(example.prompt):]
         score = await self.rubric.score(state)
+        metrics = {**score.metrics, **self.rollout_metrics(state)}
         return Rollout(
             example_id=example.id,
             turns=turns,
             reward=score.reward,
             prompt=list(example.prompt),
             completion=state["completion"],
-            metrics=score.metrics,
+            metrics=metrics,
             errors=score.errors,
             stop_condition=stop,
             finish_reason=state["responses"][-1].finish_reason if state["responses"] else None,
@@ -187,6 +200,14 @@ class Environment:
     def setup_state(self, state: State) -> State:
         """Called once per rollout before its first turn is processed (sync or async)."""
         return state
+
+    def teardown_state(self, state: State) -> None:
+        """Called once per rollout after it is scored, also when it failed (sync or async):
+        release what ``setup_state`` acquired (a scratch directory, a connection)."""
+
+    def rollout_metrics(self, state: State) -> dict[str, float]:
+        """Metrics the environment itself counts (tool calls, errors), beside the rubric's."""
+        return {}
 
     def is_completed(self, messages: Messages, state: State) -> bool:
         """True once the episode is over (sync or async); checked after every model turn,

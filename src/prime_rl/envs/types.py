@@ -49,15 +49,39 @@ class Turn:
 
 
 @dataclass(frozen=True)
+class ToolCall:
+    """One tool call of a model reply, as the model server's tool-call parser read it."""
+
+    id: str
+    name: str
+    arguments: str
+    """The arguments as JSON text, exactly as parsed (possibly invalid: the model wrote it)."""
+
+    def message(self) -> dict[str, Any]:
+        """The OpenAI ``tool_calls`` entry of the assistant message."""
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+@dataclass(frozen=True)
 class ModelReply:
     text: str
-    """The assistant message's content."""
+    """The assistant message's content (without its tool calls)."""
 
     finish_reason: str | None
     """`stop` (end of turn) or `length` (hit the token limit)."""
 
     turn: Turn | None = None
     """Exact tokens and logprobs; None from a text-only endpoint (evaluation of an API model)."""
+
+    tool_calls: tuple[ToolCall, ...] = ()
+    """The tool calls the server parsed out of the reply (only when tools were offered)."""
+
+    def message(self) -> dict[str, Any]:
+        """The assistant message this reply adds to the conversation."""
+        message: dict[str, Any] = {"role": "assistant", "content": self.text}
+        if self.tool_calls:
+            message["tool_calls"] = [call.message() for call in self.tool_calls]
+        return message
 
 
 class PromptTooLong(Exception):
@@ -68,9 +92,13 @@ class PromptTooLong(Exception):
 class ModelClient(Protocol):
     """What an environment calls to get the model's next message. The orchestrator's
     implementation renders ``messages`` with the model's chat template, extends the exact
-    tokens of ``context`` (this rollout's previous turns) and samples ``n`` replies."""
+    tokens of ``context`` (this rollout's previous turns) and samples ``n`` replies. With
+    ``tools`` (OpenAI tool schemas) the template shows them to the model and the server's
+    tool-call parser fills ``ModelReply.tool_calls``."""
 
-    async def reply(self, messages: Messages, context: Sequence[Turn], n: int = 1) -> list[ModelReply]: ...
+    async def reply(
+        self, messages: Messages, context: Sequence[Turn], n: int = 1, tools: list[dict[str, Any]] | None = None
+    ) -> list[ModelReply]: ...
 
 
 @dataclass
