@@ -5,5 +5,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/env.sh
+# the math-python environment's sandbox needs bubblewrap (tests/test_sandbox.py skips without it)
+install_bwrap() {
+    [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null || return 1
+    apt-get install -y -qq bubblewrap >/dev/null 2>&1 \
+        || { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq bubblewrap >/dev/null 2>&1; }
+}
+command -v bwrap >/dev/null || install_bwrap \
+    || echo "warning: bwrap is missing and could not be installed (apt-get install bubblewrap): sandbox tests will skip" >&2
 uv sync --quiet --compile-bytecode
 exec uv run --no-sync pytest "$@"

@@ -1,0 +1,339 @@
+"""The python sandbox (bubblewrap): output, each limit (wall clock, CPU, memory, processes,
+output length), no network, no writes outside the scratch directory, no reading other users'
+files, concurrency without blocking the event loop, and nothing left running after a call."""
+
+import asyncio
+import os
+import socket
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+from prime_rl.envs.sandbox import SANDBOX_UID, Sandbox, SandboxLimits, SandboxResult, SandboxUnavailable
+
+from helpers import REPO
+
+AS_ROOT = os.geteuid() == 0
+SHORT = SandboxLimits(wall_s=4, cpu_s=2, memory_mb=1024, max_procs=16, max_output_chars=400)
+
+
+def _unavailable() -> str | None:
+    try:
+        Sandbox.check_available()
+    except SandboxUnavailable as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.skipif(not os.environ.get("CI"), reason="only CI promises a sandbox (scripts/test.sh installs bubblewrap)")
+def test_ci_runs_the_sandbox_tests():
+    """CI installs bubblewrap, so there the sandbox tests must run, not skip."""
+    assert _unavailable() is None
+
+
+@pytest.fixture(scope="module")
+def sandbox():
+    """The sandbox every running test uses; those tests skip, saying why, without bwrap."""
+    if (why := _unavailable()) is not None:
+        pytest.skip(f"no python sandbox here: {why}")
+    return Sandbox(SHORT, max_concurrent=4)
+
+
+@pytest.fixture
+def scratch(sandbox):
+    path = sandbox.new_scratch()
+    yield path
+    sandbox.remove_scratch(path)
+    assert not path.exists()
+
+
+def processes() -> dict[int, tuple[int, int, str, str]]:
+    """pid -> (parent pid, real uid, name, state) of every process, read from /proc."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            status = Path(f"/proc/{entry}/status").read_text().splitlines()
+            uid_line = next(line for line in status if line.startswith("Uid:"))
+        except (OSError, StopIteration):  # gone meanwhile
+            continue
+        name, fields = stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2 :].split()
+        found[int(entry)] = (int(fields[1]), int(uid_line.split()[1]), name, fields[0])
+    return found
+
+
+def suspects() -> set[str]:
+    """Processes a sandbox could have left: this test process's descendants, processes of the
+    sandbox uid (as root), and bwrap orphans of pid 1 (an unreaped sandbox init)."""
+    table, me = processes(), os.getpid()
+    found = {pid for pid, (_, uid, _, _) in table.items() if AS_ROOT and uid == SANDBOX_UID}
+    found |= {pid for pid, (ppid, _, name, _) in table.items() if ppid == 1 and name == "bwrap"}
+    parents = {me}
+    while children := {pid for pid, (ppid, *_) in table.items() if ppid in parents and pid not in found | {me}}:
+        found |= children
+        parents = children
+    return {f"{pid} {table[pid][2]} ({table[pid][3]})" for pid in found}
+
+
+@pytest.fixture(autouse=True)
+def nothing_left_running():
+    """After every test: no process a sandbox made is alive or unreaped (the kernel may take a
+    moment to tear a PID namespace down, hence the short poll)."""
+    before = suspects()
+    yield
+    deadline = time.monotonic() + 3
+    while (left := suspects() - before) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert sorted(left) == []
+
+
+def run(sandbox, code, scratch) -> SandboxResult:
+    return asyncio.run(sandbox.run_python(code, scratch))
+
+
+# --------------------------------------------------------------------------- output
+
+
+@pytest.mark.timeout(30)
+def test_print_and_the_sandboxed_environment(sandbox, scratch):
+    code = "import os, sys, sympy\nprint(6 * 7)\nprint(os.getcwd(), os.environ['HOME'], os.environ['TMPDIR'])\nprint(os.getuid())"
+    result = run(sandbox, code, scratch)
+    lines = result.stdout.splitlines()
+    assert result.ok and result.error is None and result.exit_code == 0 and result.stderr == ""
+    assert lines[0] == "42" and lines[1] == "/tmp/work /tmp/work /tmp/work"
+    assert lines[2] == str(SANDBOX_UID if AS_ROOT else os.getuid())
+    assert result.text() == result.stdout.rstrip("\n")
+
+
+@pytest.mark.timeout(30)
+def test_errors_and_silence_reach_the_text(sandbox, scratch):
+    crashed = run(sandbox, "print('before')\n1 / 0", scratch)
+    assert crashed.exit_code == 1 and crashed.error is None and not crashed.ok
+    assert crashed.stdout == "before\n" and crashed.stderr.rstrip().endswith("ZeroDivisionError: division by zero")
+    assert 'File "/tmp/main.py", line 2' in crashed.stderr  # a fixed path, the same every rollout
+    assert crashed.text().startswith("before\nTraceback")
+    assert run(sandbox, "x = 1", scratch).text() == "(no output)"
+    assert run(sandbox, "import sys; sys.exit(3)", scratch).text() == "(exit status 3)"
+
+
+@pytest.mark.timeout(30)
+def test_scratch_persists_between_calls_and_is_removed(sandbox, scratch):
+    run(sandbox, "open('notes.txt', 'w').write('kept')\nimport os; os.makedirs('locked/deep'); os.chmod('locked', 0)", scratch)
+    assert run(sandbox, "print(open('/tmp/work/notes.txt').read())", scratch).stdout == "kept\n"
+    assert (scratch / "notes.txt").read_text() == "kept"
+    other = sandbox.new_scratch()
+    assert run(sandbox, "import os; print(os.listdir('.'))", other).stdout == "[]\n"  # scratches are separate
+    sandbox.remove_scratch(other)
+    with pytest.raises(ValueError, match="not a scratch directory"):
+        sandbox.remove_scratch(REPO)
+
+
+@pytest.mark.timeout(30)
+def test_output_is_truncated_head_and_tail(sandbox, scratch):
+    result = run(sandbox, "for i in range(100000): print(i)\nimport sys; print('the end', file=sys.stderr)", scratch)
+    assert result.ok and len(result.stdout) < 500  # 400 characters kept + the marker
+    assert result.stdout.startswith("0\n1\n2\n") and result.stdout.rstrip().endswith("99998\n99999")
+    assert "characters cut] ..." in result.stdout
+    assert result.stderr == "the end\n"
+
+
+# --------------------------------------------------------------------------- limits
+
+
+@pytest.mark.timeout(30)
+def test_infinite_loop_is_stopped_by_the_cpu_limit(sandbox, scratch):
+    start = time.monotonic()
+    result = run(sandbox, "print('looping', flush=True)\nwhile True: pass", scratch)
+    assert time.monotonic() - start < SHORT.wall_s + 2
+    assert result.error in ("CPU time limit of 2 s exceeded", "timed out after 4 s (wall-clock limit)")
+    assert result.stdout == "looping\n" and "Error: " in result.text()
+
+
+@pytest.mark.timeout(30)
+def test_sleeping_program_is_stopped_by_the_wall_clock(sandbox, scratch):
+    start = time.monotonic()
+    result = run(sandbox, "import time, subprocess\nsubprocess.Popen(['sleep', '60'])\nprint('napping')\ntime.sleep(60)", scratch)
+    assert SHORT.wall_s <= time.monotonic() - start < SHORT.wall_s + 3
+    assert result.error == "timed out after 4 s (wall-clock limit)" and result.exit_code is None
+    assert result.stdout == "napping\n"  # what it printed before the kill survives (unbuffered)
+
+
+@pytest.mark.timeout(30)
+def test_background_children_do_not_outlive_the_program(sandbox, scratch):
+    start = time.monotonic()
+    result = run(sandbox, "import subprocess\nsubprocess.Popen(['sleep', '60'], start_new_session=True)\nprint('bye')", scratch)
+    assert result.ok and result.stdout == "bye\n" and time.monotonic() - start < 3  # no wait for the orphan
+
+
+@pytest.mark.timeout(30)
+def test_large_allocation_hits_the_memory_limit(sandbox, scratch):
+    result = run(sandbox, "x = bytearray(4 * 2**30)\nprint('allocated')", scratch)
+    assert result.error == "memory limit of 1024 MB reached (MemoryError)" and result.exit_code == 1
+    assert "allocated" not in result.stdout and result.text().endswith("Error: memory limit of 1024 MB reached (MemoryError)")
+    numpy = run(sandbox, "import numpy\nnumpy.ones((2**19, 2**10))", scratch)  # 4 GiB of float64
+    assert numpy.error == "memory limit of 1024 MB reached (MemoryError)"
+
+
+FORK_BOMB = """
+import os, time
+refused = False
+while True:
+    try:
+        os.fork()
+    except OSError:
+        if not refused:
+            print('fork refused', flush=True)
+        refused = True
+        time.sleep(0.01)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_fork_bomb_is_contained_and_cleaned_up(sandbox, scratch):
+    start = time.monotonic()
+    result = run(sandbox, FORK_BOMB, scratch)
+    assert time.monotonic() - start < SHORT.wall_s + 3
+    assert result.error == "timed out after 4 s (wall-clock limit)"
+    assert "fork refused" in result.stdout  # RLIMIT_NPROC said no
+    # the autouse fixture then checks that none of the bomb's processes is left
+    after = run(sandbox, "print('still works')", scratch)  # the limit was that sandbox's own
+    assert after.ok and after.stdout == "still works\n"
+
+
+@pytest.mark.timeout(30)
+def test_file_size_limit(sandbox, scratch):
+    small = Sandbox(SandboxLimits(wall_s=5, max_file_mb=1))
+    result = run(small, "open('big', 'wb').write(b'x' * 2 * 2**20)", scratch)
+    assert result.error == "file size limit of 1 MB exceeded"
+
+
+# --------------------------------------------------------------------------- isolation
+
+NETWORK = """
+import socket
+for host, port in [("127.0.0.1", {port}), ("1.1.1.1", 53), ("8.8.8.8", 443)]:
+    try:
+        socket.create_connection((host, port), timeout=2).close()
+        print(host, "connected")
+    except OSError as e:
+        print(host, "failed", type(e).__name__)
+"""
+
+
+@pytest.mark.timeout(30)
+def test_no_network(sandbox, scratch):
+    with socket.socket() as server:  # a real listener on the host's loopback
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        result = run(sandbox, NETWORK.format(port=port), scratch)
+    assert result.ok and result.stdout.count("failed") == 3 and "connected" not in result.stdout
+    assert "127.0.0.1 failed ConnectionRefusedError" in result.stdout  # its own empty loopback
+
+
+@pytest.mark.timeout(30)
+def test_no_writes_outside_the_scratch_dir(sandbox, scratch):
+    targets = ["/tmp/x", "/var/tmp/x", "/dev/shm/x", "/run/x", str(REPO / "sandbox-was-here"), "/etc/passwd", "/tmp/main.py"]
+    code = "import sys\nfor path in sys.argv[1:] or %r:\n" % targets + (
+        "    try:\n        open(path, 'a').write('x')\n        print(path, 'WRITTEN')\n"
+        "    except OSError as e:\n        print(path, 'refused', e.strerror)\n"
+    )
+    result = run(sandbox, code, scratch)
+    assert result.ok and "WRITTEN" not in result.stdout and result.stdout.count("refused") == len(targets)
+    assert not (REPO / "sandbox-was-here").exists() and not Path("/tmp/x").exists()
+
+
+@pytest.mark.timeout(30)
+def test_host_tmp_and_home_are_hidden(sandbox, scratch):
+    with tempfile.NamedTemporaryFile(prefix="host-secret-") as host_file:
+        result = run(sandbox, "import os\nprint(sorted(os.listdir('/tmp')))\nprint(os.listdir('/run'))\n"
+                     f"print(os.path.exists({host_file.name!r}))", scratch)
+    assert result.stdout.splitlines()[:3] == ["['main.py', 'work']", "[]", "False"]
+
+
+@pytest.mark.skipif(not AS_ROOT, reason="needs root to make a file the sandbox user must not read")
+@pytest.mark.timeout(30)
+def test_cannot_read_other_users_files(sandbox, scratch):
+    (REPO / "outputs").mkdir(exist_ok=True)  # git-ignored, and visible in the sandbox (/tmp is not)
+    secret_dir = Path(tempfile.mkdtemp(prefix="sandbox-secret-", dir=REPO / "outputs"))
+    try:
+        secret_dir.chmod(0o711)
+        secret = secret_dir / "secret.txt"
+        secret.write_text("root only")
+        secret.chmod(0o600)
+        code = ("for path in [%r, '/etc/shadow', '/root/.bashrc', '/proc/1/environ']:\n"
+                "    try:\n        print(path, 'READ', open(path).read()[:20])\n"
+                "    except OSError as e:\n        print(path, 'refused', e.strerror)\n") % str(secret)
+        result = run(sandbox, code, scratch)
+    finally:
+        for path in sorted(secret_dir.rglob("*"), reverse=True):
+            path.unlink()
+        secret_dir.rmdir()
+    assert result.ok and "READ" not in result.stdout, result.stdout
+    assert f"{secret} refused Permission denied" in result.stdout
+
+
+# --------------------------------------------------------------------------- concurrency
+
+
+@pytest.mark.timeout(60)
+def test_concurrent_calls_keep_the_event_loop_responsive(sandbox):
+    scratches = [sandbox.new_scratch() for _ in range(8)]
+
+    async def main():
+        ticks, stop = [], asyncio.Event()
+
+        async def ticker():
+            while not stop.is_set():
+                ticks.append(time.monotonic())
+                await asyncio.sleep(0.02)
+
+        tick_task = asyncio.create_task(ticker())
+        start = time.monotonic()
+        results = await asyncio.gather(*(
+            sandbox.run_python(f"import time\nsum(range(10**6))\ntime.sleep(1)\nprint({i} ** 2)", s)
+            for i, s in enumerate(scratches)
+        ))  # fmt: skip
+        elapsed = time.monotonic() - start
+        stop.set()
+        await tick_task
+        return results, elapsed, max(b - a for a, b in zip(ticks, ticks[1:]))
+
+    try:
+        results, elapsed, worst_gap = asyncio.run(main())
+    finally:
+        for s in scratches:
+            sandbox.remove_scratch(s)
+    assert [r.stdout for r in results] == [f"{i ** 2}\n" for i in range(8)]
+    assert elapsed >= 2.0  # 8 one-second programs, 4 at a time: two waves at least
+    assert worst_gap < 0.5  # the loop never stalled while sandboxes started and ran
+
+
+@pytest.mark.timeout(30)
+def test_cancelled_call_kills_its_sandbox(sandbox, scratch):
+    async def main():
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(sandbox.run_python("import time\ntime.sleep(60)", scratch), 0.5)
+
+    asyncio.run(main())  # the autouse fixture checks nothing survived
+
+
+# --------------------------------------------------------------------------- misc
+
+
+def test_result_text_and_limits_validation():
+    timed_out = SandboxResult("", "", None, "timed out after 10 s (wall-clock limit)")
+    assert timed_out.text() == "Error: timed out after 10 s (wall-clock limit)"
+    assert SandboxResult("out\n", "err\n", 1).text() == "out\nerr"
+    with pytest.raises(ValueError, match="wall_s must be positive"):
+        SandboxLimits(wall_s=0)
+
+
+def test_missing_bwrap_is_a_one_line_error(monkeypatch):
+    monkeypatch.setattr("prime_rl.envs.sandbox._AVAILABLE", set())
+    monkeypatch.setenv("PATH", "/nonexistent")
+    with pytest.raises(SandboxUnavailable, match=r"needs bubblewrap \(bwrap\).*apt-get install bubblewrap"):
+        Sandbox.check_available()
