@@ -12,12 +12,15 @@ import importlib
 
 from prime_rl.config import EnvConfig, environment_module, environment_name
 from prime_rl.envs import DatasetUnavailable, Environment
+from prime_rl.envs.sandbox import SandboxUnavailable
 
 REGISTRY: dict[str, str] = {
     "reverse-text": "orchestrator.envs.reverse_text",
     "alphabet-sort": "orchestrator.envs.alphabet_sort",
     "gsm8k": "orchestrator.envs.gsm8k",
     "wordle": "orchestrator.envs.wordle",
+    "wiki-search": "orchestrator.envs.wiki_search",
+    "math-python": "orchestrator.envs.math_python",
 }
 
 
@@ -36,7 +39,7 @@ def load_env(env_cfg: EnvConfig) -> Environment:
         env = load(**env_cfg.args)
     except TypeError as e:  # usually a wrong keyword in [[env]] args
         raise ValueError(f"environment {env_cfg.id!r}: load_environment(**{env_cfg.args!r}) failed: {e}") from e
-    except DatasetUnavailable as e:
+    except (DatasetUnavailable, SandboxUnavailable) as e:
         raise ValueError(f"environment {env_cfg.id!r}: {e}") from e
     if not isinstance(env, Environment):
         raise ValueError(
