@@ -69,10 +69,14 @@ PAD_TOKEN = "<|endoftext|>"
 BOS_TOKEN = "<|im_start|>"
 EOS_TOKEN = "<|im_end|>"
 SPECIAL_TOKENS = [PAD_TOKEN, BOS_TOKEN, EOS_TOKEN]
+# Qwen3's tool-format tags are single (added, not special) tokens there too: ids 259-262 here.
+# A byte-level model would otherwise have to spell `<tool_call>` letter by letter.
+TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
 
 
 def build_tokenizer(chat_template: str = CHAT_TEMPLATE):
-    """Pure byte-level tokenizer: 256 byte symbols, no merges, plus 3 special tokens (259 ids)."""
+    """Pure byte-level tokenizer: 256 byte symbols, no merges, 3 special tokens and the 4
+    tool-format tags (263 ids)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -85,6 +89,7 @@ def build_tokenizer(chat_template: str = CHAT_TEMPLATE):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(SPECIAL_TOKENS)
+    tok.add_tokens(TOOL_TOKENS)
 
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
@@ -156,7 +161,9 @@ def build_tiny_model(
         num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads,
         head_dim=head_dim,
-        max_position_embeddings=1024,
+        # RoPE has no weights: this only caps the context vLLM accepts. Tool-use episodes
+        # (Qwen3's tool preamble + schemas + results) are ~2.2k tokens with a byte vocabulary.
+        max_position_embeddings=4096,
         tie_word_embeddings=False,
         bos_token_id=None,
         eos_token_id=eos_id,

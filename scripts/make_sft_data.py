@@ -20,6 +20,14 @@ simply memorize the RL prompts:
   game has the same prompt, the seed only draws the secret words, and RL's seed keeps its
   eval words out of the demonstrations.
 
+- wiki-search: whole tool-using episodes (`wiki_search.demonstration`: search_pages(name),
+  view_sections(page_id), read_section(section_id) with their real outputs, then the answer),
+  each line with the environment's tool schemas (`"tools"`), over generated wikis of
+  corpus seeds 1, 2, ... (RL's default wiki is corpus seed 0): other pages and facts than RL's,
+  so the warm-up teaches the tool path, not the answers;
+- math-python: a `python` tool call computing the answer, its real sandboxed output, then
+  `\\boxed{N}` (`math_python.demonstration`; seed 1, RL: 0).
+
 `--args` takes the environment's arguments as JSON (as `args` in an `[[env]]` entry); the
 seed is `--seed`, not an entry of `--args`.
 """
@@ -31,8 +39,9 @@ import json
 import os
 from pathlib import Path
 
-ENVS = ("reverse-text", "alphabet-sort", "gsm8k", "wordle")
-DEFAULT_SEEDS = {"reverse-text": 1, "alphabet-sort": 1337421, "gsm8k": 1, "wordle": 0}  # RL: 0, 1337420, 0, 0
+ENVS = ("reverse-text", "alphabet-sort", "gsm8k", "wordle", "wiki-search", "math-python")
+# RL's defaults: 0, 1337420, 0, 0, corpus 0, 0
+DEFAULT_SEEDS = {"reverse-text": 1, "alphabet-sort": 1337421, "gsm8k": 1, "wordle": 0, "wiki-search": 1, "math-python": 1}
 
 
 def sft_chats(num_examples: int, seed: int, args: dict | None = None) -> list[dict]:
@@ -74,7 +83,34 @@ def wordle_chats(num_examples: int, seed: int, args: dict) -> list[dict]:
     return [{"messages": game} for game in games if game is not None]
 
 
+def wiki_search_chats(num_examples: int, seed: int, args: dict) -> list[dict]:
+    from orchestrator.envs.wiki_search import demonstration, load_environment
+
+    chats: list[dict] = []
+    corpus_seed = seed
+    while len(chats) < num_examples:
+        env = load_environment(**{**args, "source": "generated", "corpus_seed": corpus_seed, "num_eval_examples": 0})
+        for example in env.dataset:
+            messages = demonstration(example, env)
+            if messages is not None and len(chats) < num_examples:
+                chats.append({"messages": messages, "tools": env.tool_defs})
+        corpus_seed += 1
+    return chats
+
+
+def math_python_chats(num_examples: int, seed: int, args: dict) -> list[dict]:
+    from orchestrator.envs.math_python import demonstration, load_environment
+
+    env = load_environment(**{"source": "generated", **args, "num_train_examples": num_examples, "seed": seed})
+    chats = [{"messages": demonstration(example), "tools": env.tool_defs} for example in env.dataset]
+    return [chat for chat in chats if chat["messages"] is not None]
+
+
 def chats_for(env: str, num_examples: int, seed: int, args: dict) -> list[dict]:
+    if env == "wiki-search":
+        return wiki_search_chats(num_examples, seed, args)
+    if env == "math-python":
+        return math_python_chats(num_examples, seed, args)
     if env == "reverse-text":
         return sft_chats(num_examples, seed, args)
     if env == "alphabet-sort":

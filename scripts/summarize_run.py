@@ -1,4 +1,5 @@
-"""Print what an RL run did, from its metrics.jsonl: reward at the start and at the end.
+"""Print what an RL run did, from its metrics.jsonl: reward at the start and at the end (and,
+for tool environments, the tool-call rate, calls and malformed calls per rollout).
 
     python scripts/summarize_run.py RUN_DIR [--window 5]
 """
@@ -11,6 +12,9 @@ from pathlib import Path
 from prime_rl.rundir import metrics_path, read_jsonl
 
 
+TOOL_METRICS = ("/made_tool_call", "/total_tool_calls", "/malformed_calls")
+
+
 def mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else float("nan")
 
@@ -21,7 +25,13 @@ def summarize(run_dir: Path, window: int = 5) -> dict[str, float]:
     trainer = [r for r in rows if r["process"] == "trainer" and "loss/mismatch_kl" in r]
     if not rewards or not trainer:
         raise SystemExit(f"{metrics_path(run_dir)}: no orchestrator/trainer rows; did the run start?")
+    orchestrator = sorted((r for r in rows if r["process"] == "orchestrator"), key=lambda r: r["step"])
+    tools = {}
+    for key in sorted({k for r in orchestrator for k in r if k.endswith(TOOL_METRICS)}):
+        values = [r[key] for r in orchestrator if key in r]
+        tools[key] = (mean(values[:window]), mean(values[-window:]))
     return {
+        "tools": tools,
         "steps": len(rewards),
         "reward_first": mean(rewards[:window]),
         "reward_last": mean(rewards[-window:]),
@@ -41,6 +51,8 @@ def main() -> None:
     print(f"mean reward, first {w} steps: {s['reward_first']:.3f}")
     print(f"mean reward, last {w} steps:  {s['reward_last']:.3f}   (change {s['reward_last'] - s['reward_first']:+.3f})")
     print(f"mismatch KL trainer vs vLLM at the first step (step 0): {s['mismatch_kl_first']:.2e}")
+    for key, (first, last) in s["tools"].items():
+        print(f"{key}: first {w} steps {first:.3f}, last {w} steps {last:.3f}")
 
 
 if __name__ == "__main__":

@@ -70,6 +70,7 @@ def trio_toml(
     env: str = 'id = "reverse-text"',
     seq_len: int = 96,
     max_tokens: int = 8,
+    temperature: float = 1.0,
 ) -> str:
     """A tiny RL run: few short rollouts, free ports so tests never collide."""
     return f"""
@@ -83,6 +84,7 @@ rollouts_per_example = {rollouts_per_example}
 
 [sampling]
 max_tokens = {max_tokens}
+temperature = {temperature}
 
 [[env]]
 {env}

@@ -128,7 +128,7 @@ def test_contracts_do_not_import_torch_or_vllm():
 
 
 
-@pytest.mark.parametrize("name", ["reverse-text", "alphabet-sort", "gsm8k", "wordle"])
+@pytest.mark.parametrize("name", ["reverse-text", "alphabet-sort", "gsm8k", "wordle", "wiki-search", "math-python"])
 def test_documented_hosted_configs_pass_dry_run_as_written(tmp_path, name):
     """configs/rl/*.toml, copied as users copy them, validate offline (no hub access): the
     command is run from an empty folder, where their default output_dir lands."""
@@ -140,3 +140,17 @@ def test_documented_hosted_configs_pass_dry_run_as_written(tmp_path, name):
     assert done.returncode == 0, done.stderr
     orchestrator = json.loads((tmp_path / "outputs" / "run" / "configs" / "orchestrator.json").read_text())
     assert orchestrator["env"][0]["id"] == f"primeintellect/{name}"
+
+
+def test_tool_call_parser_reaches_vllm_and_the_orchestrator():
+    """`[inference] tool_call_parser` starts vLLM with its parser and the derender route, and
+    the orchestrator learns which parser reads its tool calls."""
+    from inference.server import vllm_command
+    from prime_rl.config import RLConfig
+
+    cfg = RLConfig.model_validate({"env": [{"id": "wiki-search"}], "inference": {"tool_call_parser": "hermes"}})
+    assert cfg.orchestrator.tool_call_parser == "hermes"
+    cmd = vllm_command(cfg.inference, cpu=True)
+    i = cmd.index("--tool-call-parser")
+    assert cmd[i + 1] == "hermes" and "--enable-auto-tool-choice" in cmd and "--enable-scale-out" in cmd
+    assert "--tool-call-parser" not in vllm_command(RLConfig().inference, cpu=True)

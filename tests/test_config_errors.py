@@ -43,6 +43,8 @@ CASES = [
     ('model = "{run}/no/such/model"\n', [], "trainer.model.name: model path"),
     # unknown environment id
     ('[[env]]\nid = "primeintellect/alphabet-sorter"\n', [], "unknown environment id 'primeintellect/alphabet-sorter'"),
+    # a tool environment without vLLM's tool-call parser
+    ('[[env]]\nid = "primeintellect/wiki-search"\n', [], "environment 'primeintellect/wiki-search' calls tools: set `[inference] tool_call_parser`"),
     # conflicting values between a shared field and a section
     ("max_steps = 3\n[trainer]\nmax_steps = 4\n", [], "conflicting values: `max_steps` = 3 but `trainer.max_steps` = 4"),
     ("seq_len = 128\n[inference]\nseq_len = 256\n", [], "conflicting values: `seq_len` = 128 but `inference.seq_len` = 256"),

@@ -359,3 +359,92 @@ def test_eval_of_a_local_model_with_real_vllm(tmp_path, tiny_model):
     summary = json.loads((folder / "summary.json").read_text())
     assert (summary["type"], summary["rollouts"]) == ("local", 6)
     assert tagged_processes(tag) == [], "no child process may survive the eval"
+
+
+def test_eval_runs_both_tool_environments_with_vllm_parsing_the_calls(tmp_path, tool_model):
+    """wiki-search and math-python in one `prime-rl eval` of a local model: vLLM serves it
+    with the hermes parser, the tool-warmed model's calls are parsed and run (search results,
+    sandboxed Python), and every rollout is saved with its tool metrics."""
+    config = tmp_path / "tools.toml"
+    config.write_text(f"""model = "{tool_model}"
+num_examples = 2
+rollouts_per_example = 2
+save_results = true
+seq_len = 2560
+
+[sampling]
+max_tokens = 96
+
+[[eval]]
+id = "wiki-search"
+args = {{ source = "generated", max_turns = 3 }}
+
+[[eval]]
+id = "math-python"
+args = {{ source = "generated", max_turns = 2 }}
+
+[inference]
+tool_call_parser = "hermes"
+""")
+    tag, out = new_tag(), tmp_path / "evals"
+    proc = eval_cli([str(config), "--output-dir", str(out)], env={"PRIME_RL_TEST_TAG": tag}, timeout=600)
+    logs = "".join(f"\n--- {p} ---\n{p.read_text()[-3000:]}" for p in out.rglob("*.log"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr + logs
+    rows = {}
+    for env in ("wiki-search", "math-python"):
+        (folder,) = (out / f"{env}--{str(tool_model).strip('/').replace('/', '--')}").iterdir()
+        rows[env] = [json.loads(line) for line in (folder / "results.jsonl").read_text().splitlines()]
+        assert len(rows[env]) == 4 and all(0.0 <= r["reward"] <= 1.0 for r in rows[env])
+        assert all("total_tool_calls" in r["metrics"] for r in rows[env])
+    assert sum(r["metrics"]["total_tool_calls"] for r in rows["wiki-search"]) > 0
+    assert tagged_processes(tag) == [], "no child process may survive the eval"
+
+
+def test_eval_of_a_tool_environment_needs_a_tool_call_parser(tmp_path, tiny_model):
+    proc = eval_cli(["wiki-search", "-m", str(tiny_model), "--output-dir", str(tmp_path)])
+    assert proc.returncode == 2
+    assert "calls tools: pass `--inference.tool_call_parser hermes`" in proc.stderr.strip().splitlines()[-1]
+
+
+def test_chat_sampler_offers_tools_and_reads_the_endpoints_tool_calls():
+    """An API model under eval gets the tools in the request; the tool calls of its reply
+    come back as ToolCall objects (arguments as the JSON text the endpoint sent)."""
+    import http.server
+    import threading
+
+    seen = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            seen.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+            call = {"id": "c1", "type": "function", "function": {"name": "search_pages", "arguments": '{"query": "Vorlia"}'}}
+            body = json.dumps({"choices": [{"index": 0, "finish_reason": "tool_calls",
+                                            "message": {"role": "assistant", "content": None, "tool_calls": [call]}}]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    tools = [{"type": "function", "function": {"name": "search_pages", "parameters": {"type": "object", "properties": {}}}}]
+
+    async def go():
+        client = InferenceClient(ClientConfig(base_url=f"http://127.0.0.1:{server.server_port}/v1", timeout_s=5), "api-model")
+        try:
+            return await ChatSampler(client, EvalSamplingConfig()).reply(MESSAGES, [], n=1, tools=tools)
+        finally:
+            await client.close()
+
+    try:
+        (reply,) = asyncio.run(go())
+    finally:
+        server.shutdown()
+    assert seen[0]["tools"] == tools
+    assert (reply.text, reply.finish_reason, reply.turn) == ("", "tool_calls", None)
+    assert [(c.id, c.name, c.arguments) for c in reply.tool_calls] == [("c1", "search_pages", '{"query": "Vorlia"}')]
+    assert reply.message()["tool_calls"][0]["function"]["name"] == "search_pages"

@@ -102,6 +102,7 @@ def test_a_tool_using_episode_runs_the_calls_and_scores_the_answer():
     assert all(tools == env.tool_defs for _, tools in script.calls)  # the schemas go with every call
     m = rollout.metrics
     assert (m["total_tool_calls"], m["add_calls"], m["shout_calls"], m["tool_errors"], m["turns"]) == (2, 1, 1, 0, 2)
+    assert m["made_tool_call"] == 1.0 and play(env, Script(("5", []))).metrics["made_tool_call"] == 0.0
 
 
 def test_failed_calls_return_errors_to_the_model_and_are_counted():

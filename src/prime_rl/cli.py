@@ -26,7 +26,15 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from prime_rl.config import EvalRunConfig, EvalTarget, RLConfig, SFTConfig, check_model_path
+from prime_rl.config import (
+    TOOL_ENVIRONMENTS,
+    EvalRunConfig,
+    EvalTarget,
+    RLConfig,
+    SFTConfig,
+    check_model_path,
+    environment_name,
+)
 from prime_rl.endpoints import Endpoint, load_endpoints
 from prime_rl.launcher import ProcessSpec, run, tmux_available
 from prime_rl.resume import ResumeRefused, check_resumable, choose_resume_step, rewind
@@ -333,6 +341,12 @@ def resolve_eval_target(config: EvalRunConfig) -> EvalTarget:
         inference.port = free_port(inference.host)
     config.client.base_url = f"http://{inference.host}:{inference.port}"
     config.client.api_key = inference.api_key
+    tool_envs = [entry.id for entry in config.eval if environment_name(entry.id) in TOOL_ENVIRONMENTS]
+    if tool_envs and inference.tool_call_parser is None:
+        raise ConfigError(
+            f"environment {tool_envs[0]!r} calls tools: pass `--inference.tool_call_parser hermes` (vLLM's parser "
+            "for Qwen3, Qwen2.5 and the tiny test model; another family needs its own)"
+        )
     # Served under its own path name (vLLM's default), which requests then use.
     return EvalTarget(type="local", model=inference.served_model_name or config.model)
 

@@ -28,8 +28,9 @@ The loop (``Environment``'s) then runs here:
   call gets an error message back and the episode goes on (``malformed_calls``).
 
 Tool messages are in the training sequence and out of the loss (the sampler's bridge).
-Metrics per rollout: ``total_tool_calls``, ``<tool>_calls``, ``<tool>_errors``,
-``tool_errors``, ``malformed_calls``, ``turns``.
+Metrics per rollout: ``total_tool_calls``, ``made_tool_call`` (0/1: its mean is the
+tool-call rate), ``<tool>_calls``, ``<tool>_errors``, ``tool_errors``, ``malformed_calls``,
+``turns``.
 
 ``StatefulToolEnv`` adds arguments the model must not see (a sandbox handle, a corpus):
 ``add_tool(fn, args_to_skip=[...])`` hides them from the schema and
@@ -191,6 +192,7 @@ class ToolEnv(MultiTurnEnv):
     def rollout_metrics(self, state: State) -> dict[str, float]:
         stats = self._stats(state)
         metrics = {"total_tool_calls": float(stats["total"]), "tool_errors": float(stats["errors"])}
+        metrics["made_tool_call"] = float(stats["total"] > 0)  # its mean is the tool-call rate
         metrics["malformed_calls"] = float(stats["malformed_calls"])
         for name in self.tools:
             metrics[f"{name}_calls"] = float(stats["calls"].get(name, 0))
