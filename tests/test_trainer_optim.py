@@ -27,3 +27,21 @@ def test_clip_and_step_reports_lr_used_and_skips_non_finite_gradients():
     grad_norm, _ = clip_and_step(model, optimizer, scheduler, max_grad_norm=1.0)
     assert grad_norm == float("inf")
     torch.testing.assert_close(model.weight.detach(), before)
+
+
+def test_a_zero_gradient_leaves_the_weights_alone():
+    """A batch without signal (all advantages zero) must not move the policy: AdamW would
+    otherwise keep stepping along its momentum from the last informative batch."""
+    model = torch.nn.Linear(2, 1, bias=False)
+    optimizer, scheduler = build_optimizer(model, OptimConfig(lr=0.1))
+    model(torch.tensor([[3.0, 4.0]])).sum().backward()
+    clip_and_step(model, optimizer, scheduler, max_grad_norm=1.0)
+    before = model.weight.detach().clone()
+    (0.0 * model(torch.tensor([[3.0, 4.0]])).sum()).backward()  # a zero gradient, not None
+    grad_norm, _ = clip_and_step(model, optimizer, scheduler, max_grad_norm=1.0)
+    assert grad_norm == 0.0
+    torch.testing.assert_close(model.weight.detach(), before)
+    # and the weights would have moved with plain AdamW: momentum from the first step
+    model.weight.grad = torch.zeros_like(model.weight)
+    optimizer.step()
+    assert not torch.equal(model.weight.detach(), before)
