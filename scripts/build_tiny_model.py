@@ -12,20 +12,22 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-# ChatML with Qwen3's tool format (its wording, `<tools>` in the system message, `<tool_call>`
-# JSON in assistant turns, tool results as `<tool_response>` blocks of a user turn), without
-# Qwen3's <think> stripping: every turn renders as an extension of the previous ones.
+# ChatML with Qwen3's tool-call format (`<tool_call>` JSON in assistant turns, tool results as
+# `<tool_response>` blocks of a user turn; what vLLM's hermes parser reads), without Qwen3's
+# <think> stripping: every turn renders as an extension of the previous ones. The tools are
+# listed compactly (`name(arg, ...)`) instead of Qwen3's preamble + JSON schemas: with a byte
+# vocabulary those cost ~1.4k tokens a prompt, and in that context the 180k-parameter model
+# learned the call format but never to copy a name from the question (eval after 250 SFT
+# steps: reward 0, docs/environments.md). A real Qwen3 template keeps its own preamble.
 CHAT_TEMPLATE = (
     "{% set first = 0 %}"
     "{% if tools %}"
     "<|im_start|>system\n"
     "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n\n{% set first = 1 %}{% endif %}"
-    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
-    "{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}"
-    "{{ '\\n' }}</tools>\n\nFor each function call, return a json object with function name and arguments within "
-    "<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": "
-    "<args-json-object>}\n</tool_call><|im_end|>\n"
+    "# Tools\n<tools>"
+    "{% for tool in tools %}{% set f = tool['function'] if tool['function'] is defined else tool %}"
+    "{{ '\\n' }}{{ f['name'] }}({{ f['parameters']['properties'] | join(', ') }}){% endfor %}"
+    "{{ '\\n' }}</tools>\nCall a tool with <tool_call>\n{\"name\": <name>, \"arguments\": <json object>}\n</tool_call><|im_end|>\n"
     "{% endif %}"
     "{% for message in messages %}"
     "{% if loop.index0 == 0 and first == 1 %}"
@@ -161,8 +163,8 @@ def build_tiny_model(
         num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads,
         head_dim=head_dim,
-        # RoPE has no weights: this only caps the context vLLM accepts. Tool-use episodes
-        # (Qwen3's tool preamble + schemas + results) are ~2.2k tokens with a byte vocabulary.
+        # RoPE has no weights: this only caps the context vLLM accepts. Multi-turn tool-use
+        # episodes run past 1024 tokens with a byte vocabulary.
         max_position_embeddings=4096,
         tie_word_embeddings=False,
         bos_token_id=None,

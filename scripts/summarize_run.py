@@ -27,7 +27,7 @@ def summarize(run_dir: Path, window: int = 5) -> dict[str, float]:
         raise SystemExit(f"{metrics_path(run_dir)}: no orchestrator/trainer rows; did the run start?")
     orchestrator = sorted((r for r in rows if r["process"] == "orchestrator"), key=lambda r: r["step"])
     tools = {}
-    for key in sorted({k for r in orchestrator for k in r if k.endswith(TOOL_METRICS)}):
+    for key in sorted({k for r in orchestrator for k in r if k.startswith("metrics/") and k.endswith(TOOL_METRICS)}):
         values = [r[key] for r in orchestrator if key in r]
         tools[key] = (mean(values[:window]), mean(values[-window:]))
     return {

@@ -46,7 +46,7 @@ def tool_model(tmp_path_factory) -> Path:
         first_turns.append(json.dumps({"messages": row["messages"][: k + 1], "tools": row["tools"]}))
     data.write_text("\n".join(first_turns) + "\n")
     config = root / "sft.toml"
-    config.write_text(f'output_dir = "{out}"\nmax_steps = 200\nseq_len = 2048\n[model]\nname = "{base}"\n'
+    config.write_text(f'output_dir = "{out}"\nmax_steps = 200\nseq_len = 1024\n[model]\nname = "{base}"\n'
                       f'[data]\npath = "{data}"\nbatch_size = 8\nmicro_batch_size = 8\n[optim]\nlr = 1e-2\nwarmup_steps = 10\n')
     done = subprocess.run([sys.executable, "-m", "prime_rl.cli", "sft", str(config)], capture_output=True, text=True)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]

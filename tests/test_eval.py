@@ -370,10 +370,11 @@ def test_eval_runs_both_tool_environments_with_vllm_parsing_the_calls(tmp_path, 
 num_examples = 2
 rollouts_per_example = 2
 save_results = true
-seq_len = 2560
+seq_len = 1024
 
 [sampling]
 max_tokens = 96
+temperature = 0.5
 
 [[eval]]
 id = "wiki-search"

@@ -305,7 +305,7 @@ def test_tool_calling_trio_parses_calls_with_vllm_and_trains_only_the_model_toke
     real search results), the loss mask is 1 exactly on the sampled tokens of each turn and 0
     on every tool output, and the mismatch KL at the first step is below 1e-3."""
     run_dir, config = tmp_path / "tools", tmp_path / "tools.toml"
-    config.write_text(trio_toml(tool_model, run_dir, max_steps=2, env=TOOL_ENV, seq_len=2560, max_tokens=96,
+    config.write_text(trio_toml(tool_model, run_dir, max_steps=2, env=TOOL_ENV, seq_len=1024, max_tokens=96,
                                 batch_size=8, rollouts_per_example=4, temperature=0.5,
                                 extra='tool_call_parser = "hermes"\n[preflight]\nenabled = false\n'))
     proc, tag = start_launcher(config)
