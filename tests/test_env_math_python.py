@@ -72,7 +72,7 @@ def test_correct_episode_runs_the_code_in_the_sandbox(env):
     assert rollout.stop_condition == "completed" and rollout.num_turns == 2
     assert rollout.reward == 1.0
     assert rollout.metrics == {
-        "correct_answer": 1.0, "format_reward": 1.0, "total_tool_calls": 1.0, "tool_errors": 0.0,
+        "correct_answer": 1.0, "format_reward": 1.0, "total_tool_calls": 1.0, "made_tool_call": 1.0, "tool_errors": 0.0,
         "malformed_calls": 0.0, "python_calls": 1.0, "python_errors": 0.0, "turns": 2.0, "python_failures": 0.0,
     }  # fmt: skip
     # the model sees one tool, `python(code)`: the scratch dir and run log are hidden

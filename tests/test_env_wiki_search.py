@@ -186,7 +186,7 @@ def test_correct_tool_using_episode(env):
     }
     assert rollout.stop_condition == "completed" and rollout.reward == 1.0
     assert rollout.metrics == {
-        "correct_answer": 1.0, "total_tool_calls": 3.0, "tool_errors": 0.0, "malformed_calls": 0.0,
+        "correct_answer": 1.0, "total_tool_calls": 3.0, "made_tool_call": 1.0, "tool_errors": 0.0, "malformed_calls": 0.0,
         "search_pages_calls": 1.0, "search_pages_errors": 0.0, "view_sections_calls": 1.0, "view_sections_errors": 0.0,
         "read_section_calls": 1.0, "read_section_errors": 0.0, "turns": 4.0,
     }
