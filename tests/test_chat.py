@@ -145,3 +145,18 @@ def test_max_tokens_shrinks_to_the_room_left_and_a_full_context_stops_the_rollou
 def test_stub_turn_type(tok):
     rollout, _ = play(tok, [*b"yo", IM_END], [*b"ok", IM_END])
     assert all(isinstance(t, Turn) for t in rollout.turns) and rollout.stop_condition == "max_turns"
+
+
+def test_bridge_closes_a_turn_cut_on_another_special_token(tiny_model):
+    """Only the template's own end-of-turn token closes a sampled turn: a reply cut by
+    max_tokens right after another special token (<|im_start|>) still gets <|im_end|>."""
+    from orchestrator.sampler import TokenSampler
+    from prime_rl.config import SamplingConfig
+    from prime_rl.envs import Turn
+    from transformers import AutoTokenizer
+
+    sampler = TokenSampler(None, AutoTokenizer.from_pretrained(tiny_model), SamplingConfig(), 512)
+    chat = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "ab"}, {"role": "user", "content": "n"}]
+    cut = sampler.bridge(chat, Turn([], [97, 98, 257], [-0.1] * 3))
+    closed = sampler.bridge(chat, Turn([], [97, 98, 258], [-0.1] * 3))
+    assert cut == [258, *closed] and closed[:2] == [10, 257]

@@ -97,7 +97,10 @@ class TokenSampler:
                 f"the chat template re-renders assistant message {j} once later messages follow; "
                 "set orchestrator.multi_turn = \"per_turn\"", j
             )
-        emitted_end = bool(last.completion_ids) and last.completion_ids[-1] in self._end_of_turn
+        # the model closed its turn itself only if it sampled the template's own end-of-turn
+        # token(s) (another special token at the max_tokens cut does not close it)
+        end_of_turn = upto[close:end]
+        emitted_end = bool(end_of_turn) and last.completion_ids[-len(end_of_turn):] == end_of_turn
         return upto[end if emitted_end else close :] + full[len(upto) :]
 
 
