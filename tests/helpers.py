@@ -133,3 +133,14 @@ def orchestrator_process(config: dict, run_dir, env: dict | None = None):
             proc.kill()
             proc.wait()
     assert proc.returncode == 0, out
+
+
+def sandbox_unavailable() -> str | None:
+    """Why the python sandbox (bubblewrap) cannot run here, or None when it can."""
+    from prime_rl.envs.sandbox import Sandbox, SandboxUnavailable
+
+    try:
+        Sandbox.check_available()
+    except SandboxUnavailable as e:
+        return str(e)
+    return None

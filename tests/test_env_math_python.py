@@ -9,20 +9,14 @@ from pathlib import Path
 
 import pytest
 from prime_rl.envs import DatasetUnavailable, ModelReply, ToolCall, Turn
-from prime_rl.envs.sandbox import Sandbox, SandboxUnavailable
+from prime_rl.envs.sandbox import Sandbox
+
+from helpers import sandbox_unavailable
 
 from orchestrator.envs.math_python import PROBLEMS, SYSTEM_PROMPT, demonstration, generated_rows, load_environment
 
 
-def _unavailable() -> str | None:
-    try:
-        Sandbox.check_available()
-    except SandboxUnavailable as e:
-        return str(e)
-    return None
-
-
-pytestmark = pytest.mark.skipif(_unavailable() is not None, reason=f"no python sandbox here: {_unavailable()}")
+pytestmark = pytest.mark.skipif(sandbox_unavailable() is not None, reason=f"no python sandbox here: {sandbox_unavailable()}")
 
 
 class ScriptedClient:

@@ -13,30 +13,22 @@ from pathlib import Path
 import pytest
 from prime_rl.envs.sandbox import SANDBOX_UID, Sandbox, SandboxLimits, SandboxResult, SandboxUnavailable
 
-from helpers import REPO
+from helpers import REPO, sandbox_unavailable
 
 AS_ROOT = os.geteuid() == 0
 SHORT = SandboxLimits(wall_s=4, cpu_s=2, memory_mb=1024, max_procs=16, max_output_chars=400)
 
 
-def _unavailable() -> str | None:
-    try:
-        Sandbox.check_available()
-    except SandboxUnavailable as e:
-        return str(e)
-    return None
-
-
 @pytest.mark.skipif(not os.environ.get("CI"), reason="only CI promises a sandbox (scripts/test.sh installs bubblewrap)")
 def test_ci_runs_the_sandbox_tests():
     """CI installs bubblewrap, so there the sandbox tests must run, not skip."""
-    assert _unavailable() is None
+    assert sandbox_unavailable() is None
 
 
 @pytest.fixture(scope="module")
 def sandbox():
     """The sandbox every running test uses; those tests skip, saying why, without bwrap."""
-    if (why := _unavailable()) is not None:
+    if (why := sandbox_unavailable()) is not None:
         pytest.skip(f"no python sandbox here: {why}")
     return Sandbox(SHORT, max_concurrent=4)
 

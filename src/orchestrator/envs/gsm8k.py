@@ -324,9 +324,20 @@ def make_rubric(parser: Parser, answer_format: str) -> Rubric:
     return rubric
 
 
-def _int_arg(name: str, value: Any, minimum: int) -> None:
+def count_arg(name: str, value: Any, minimum: int, env: str = ENV) -> None:
+    """An example count: an integer >= ``minimum``, or -1 for all (shared with math-python)."""
     if not isinstance(value, int) or isinstance(value, bool) or (value < minimum and value != -1):
-        raise ValueError(f"{ENV}: {name} must be an integer >= {minimum} or -1 (all), got {value!r}")
+        raise ValueError(f"{env}: {name} must be an integer >= {minimum} or -1 (all), got {value!r}")
+
+
+def check_common_args(seed: Any, source: Any, system_prompt: Any, env: str = ENV) -> None:
+    """`seed`, `source` and `system_prompt` of a math environment (shared with math-python)."""
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise ValueError(f"{env}: seed must be an integer, got {seed!r}")
+    if source not in ("auto", "hub", "generated"):
+        raise ValueError(f"{env}: source must be 'auto', 'hub' or 'generated', got {source!r}")
+    if system_prompt is not None and not isinstance(system_prompt, str):
+        raise ValueError(f"{env}: system_prompt must be a string, got {system_prompt!r}")
 
 
 def load_environment(
@@ -352,18 +363,13 @@ def load_environment(
                 f"got {num_examples} and {num_train_examples}"
             )
         num_train_examples = num_examples
-    _int_arg("num_train_examples", num_train_examples, 1)
-    _int_arg("num_eval_examples", num_eval_examples, 0)
+    count_arg("num_train_examples", num_train_examples, 1)
+    count_arg("num_eval_examples", num_eval_examples, 0)
     if answer_format not in ("boxed", "hash"):
         raise ValueError(f"{ENV}: answer_format must be 'boxed' or 'hash', got {answer_format!r}")
     if not isinstance(difficulty, int) or isinstance(difficulty, bool) or difficulty not in PROBLEMS:
         raise ValueError(f"{ENV}: difficulty must be 1, 2 or 3 (arithmetic steps per problem), got {difficulty!r}")
-    if not isinstance(seed, int) or isinstance(seed, bool):
-        raise ValueError(f"{ENV}: seed must be an integer, got {seed!r}")
-    if source not in ("auto", "hub", "generated"):
-        raise ValueError(f"{ENV}: source must be 'auto', 'hub' or 'generated', got {source!r}")
-    if system_prompt is not None and not isinstance(system_prompt, str):
-        raise ValueError(f"{ENV}: system_prompt must be a string, got {system_prompt!r}")
+    check_common_args(seed, source, system_prompt)
 
     def take(rows: list[dict], n: int) -> list[dict]:
         return rows if n == -1 else rows[:n]

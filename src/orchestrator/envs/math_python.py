@@ -48,7 +48,7 @@ from typing import Any
 from prime_rl.envs import Example, Messages, Parser, Rubric, State, StatefulToolEnv, load_rows
 from prime_rl.envs.sandbox import Sandbox, SandboxLimits
 
-from orchestrator.envs.gsm8k import answers_match, final_answer, last_boxed
+from orchestrator.envs.gsm8k import answers_match, check_common_args, count_arg, final_answer, last_boxed
 
 ENV = "math-python"
 HUB_ID = "chiayewken/competition_math"
@@ -282,17 +282,11 @@ def demonstration(example: Example) -> Messages | None:
 def _check_args(
     num_train_examples: Any, num_eval_examples: Any, max_turns: Any, seed: Any, source: Any, system_prompt: Any
 ) -> None:
-    for name, value, minimum in (("num_train_examples", num_train_examples, 1), ("num_eval_examples", num_eval_examples, 0)):
-        if not isinstance(value, int) or isinstance(value, bool) or (value < minimum and value != -1):
-            raise ValueError(f"{ENV}: {name} must be an integer >= {minimum} or -1 (all), got {value!r}")
+    count_arg("num_train_examples", num_train_examples, 1, ENV)
+    count_arg("num_eval_examples", num_eval_examples, 0, ENV)
     if not isinstance(max_turns, int) or isinstance(max_turns, bool) or max_turns < 2:
         raise ValueError(f"{ENV}: max_turns must be an integer >= 2 (a tool call, then the answer), got {max_turns!r}")
-    if not isinstance(seed, int) or isinstance(seed, bool):
-        raise ValueError(f"{ENV}: seed must be an integer, got {seed!r}")
-    if source not in ("auto", "hub", "generated"):
-        raise ValueError(f"{ENV}: source must be 'auto', 'hub' or 'generated', got {source!r}")
-    if system_prompt is not None and not isinstance(system_prompt, str):
-        raise ValueError(f"{ENV}: system_prompt must be a string, got {system_prompt!r}")
+    check_common_args(seed, source, system_prompt, ENV)
 
 
 def load_splits(num_train: int, num_eval: int, seed: int, source: str, data_path: str | None) -> tuple[list[dict], list[dict]]:
