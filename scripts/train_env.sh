@@ -32,7 +32,7 @@ case "$ENV_ID" in
                    SFT_ARGS='{"min_turns": 2, "max_turns": 2, "min_names_per_turn": 1, "max_names_per_turn": 2, "names_path": "configs/alphabet-sort/names.txt"}' ;;
     gsm8k)         SFT_EXAMPLES=2000; SFT_ARGS='{"source": "generated", "difficulty": 1}' ;;
     wordle)        SFT_EXAMPLES=2000; SFT_ARGS='{"system_prompt": ""}' ;;  # ~2% of the games are lost by the strategy and skipped
-    wiki-search)   SFT_EXAMPLES=2000; SFT_ARGS='{"source": "generated", "max_turns": 6}' ;;  # other generated wikis than RL's (corpus seeds 1, 2, ...)
+    wiki-search)   SFT_EXAMPLES=4000; SFT_ARGS='{"source": "generated", "max_turns": 6}' ;;  # other generated wikis than RL's (corpus seeds 1, 2, ...)
     *) echo "train_env.sh: no SFT data recipe for $ENV_ID: add it to the table in scripts/train_env.sh" >&2; exit 2 ;;
 esac
 SFT_EXAMPLES="${SFT_NUM_EXAMPLES:-$SFT_EXAMPLES}"
