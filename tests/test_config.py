@@ -154,3 +154,13 @@ def test_tool_call_parser_reaches_vllm_and_the_orchestrator():
     i = cmd.index("--tool-call-parser")
     assert cmd[i + 1] == "hermes" and "--enable-auto-tool-choice" in cmd and "--enable-scale-out" in cmd
     assert "--tool-call-parser" not in vllm_command(RLConfig().inference, cpu=True)
+
+
+def test_vllm_ignores_the_models_generation_defaults():
+    """A model's generation_config.json (Qwen3: top_k 20, top_p 0.8) must not reshape what
+    vLLM samples: the server starts with vLLM's own defaults, the full softmax."""
+    from inference.server import vllm_command
+    from prime_rl.config import RLConfig
+
+    cmd = vllm_command(RLConfig().inference, cpu=True)
+    assert cmd[cmd.index("--generation-config") + 1] == "vllm"

@@ -35,6 +35,10 @@ CASES = [
     ("async_level = -1\n", [], "async_level: Input should be greater than or equal to 0"),
     ("batch_size = 10\nrollouts_per_example = 4\n", [], "batch_size (10) must be divisible by rollouts_per_example (4)"),
     ("[sampling]\ntemperature = 0\n", [], "sampling.temperature: Input should be greater than 0"),
+    # truncated sampling: the trainer scores the full softmax
+    ("[sampling]\ntop_p = 0.8\n", [], "top_p = 0.8: truncated sampling is not supported in RL"),
+    ("[sampling]\ntop_k = 20\n", [], "top_k = 20: truncated sampling is not supported in RL"),
+    ("", ["--sampling.min-p", "0.1"], "min_p = 0.1: truncated sampling is not supported in RL"),
     ("[inference]\nport = 80\n", [], "inference.port: Input should be greater than or equal to 1024"),
     ("[trainer.loss]\nmask_ratio_low = 2.0\nmask_ratio_high = 1.5\n", [], "mask_ratio_low must be below mask_ratio_high"),
     ("[orchestrator]\nnum_trainer_ranks = 3\n", [], "must split evenly over num_trainer_ranks (3)"),

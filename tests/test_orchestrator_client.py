@@ -52,6 +52,9 @@ def test_completion_returns_exact_tokens_and_logprobs():
         True,
     )
     assert "seed" not in body  # per-request seeds can crash vLLM on CPU
+    # the full softmax, whatever defaults the model folder's generation_config.json sets
+    assert {k: body[k] for k in ("top_p", "top_k", "min_p")} == {"top_p": 1.0, "top_k": -1, "min_p": 0.0}
+    assert (body["presence_penalty"], body["frequency_penalty"], body["repetition_penalty"]) == (0.0, 0.0, 1.0)
 
 
 def test_max_tokens_cut_reports_length():

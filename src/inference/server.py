@@ -6,6 +6,8 @@ group holds vLLM's engine processes too. What RL needs from vLLM:
 - token ids and logprobs on every completion (`return_token_ids` in each request);
 - logprobs after temperature scaling (`--logprobs-mode processed_logprobs`), the same
   quantity the trainer recomputes from logits / temperature;
+- the full distribution: the model's generation_config.json is ignored
+  (`--generation-config vllm`), so no truncation the request does not ask for applies;
 - tool calls parsed by vLLM's own tool-call parser (`tool_call_parser`), on the exact
   tokens sampled (the `/v1/chat/completions/derender` route);
 - weight reload without restart: the dev-mode admin routes (`/pause`, `/collective_rpc`
@@ -41,6 +43,9 @@ def vllm_command(cfg: InferenceConfig, cpu: bool) -> list[str]:
         cmd += ["--served-model-name", cfg.served_model_name]
     cmd += ["--dtype", cfg.dtype, "--max-model-len", str(cfg.seq_len), "--max-num-seqs", str(cfg.max_num_seqs)]
     cmd += ["--logprobs-mode", "processed_logprobs", "--disable-uvicorn-access-log"]
+    # vLLM's own defaults (the full softmax), not the model folder's generation_config.json:
+    # requests pin these fields too (orchestrator.client.FULL_DISTRIBUTION); docs/sampling.md
+    cmd += ["--generation-config", "vllm"]
     if cfg.enforce_eager:
         cmd.append("--enforce-eager")
     if cfg.api_key:

@@ -36,6 +36,19 @@ _RESET_RETRY_S = 0.05
 # Server-side errors worth another try: overloaded, restarting, or behind a failing proxy.
 TRANSIENT_STATUS = frozenset({500, 502, 503, 504})
 
+FULL_DISTRIBUTION: dict[str, float | int] = {
+    "top_p": 1.0,
+    "top_k": -1,
+    "min_p": 0.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "repetition_penalty": 1.0,
+}
+"""Every field of vLLM's sampling that reshapes the distribution, set to off on every
+training request: a field left out takes the server's default, which a model's
+generation_config.json can set (Qwen3: top_k 20, top_p 0.8), and the logprobs would then
+come from a truncated distribution while the trainer scores the full softmax."""
+
 
 class InferenceError(RuntimeError):
     """The inference server answered something unusable, or not at all."""
@@ -123,6 +136,7 @@ class InferenceClient:
             "prompt": list(prompt_ids),
             "max_tokens": max_tokens,
             "temperature": temperature,
+            **FULL_DISTRIBUTION,
             "logprobs": 0,
             "return_token_ids": True,
             "n": n,

@@ -98,6 +98,29 @@ class SamplingConfig(StrictModel):
     temperature: float = Field(1.0, gt=0)
     """Sampling temperature; the trainer divides its logits by the same value."""
 
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling; only 1 (off): the trainer scores the full softmax."""
+
+    top_k: int = Field(-1, ge=-1)
+    """Top-k sampling; only -1 or 0 (off): the trainer scores the full softmax."""
+
+    min_p: float = Field(0.0, ge=0, le=1)
+    """Min-p sampling; only 0 (off): the trainer scores the full softmax."""
+
+    @model_validator(mode="after")
+    def _full_distribution(self) -> SamplingConfig:
+        # Every request pins these fields (and the penalties) to "off", and vLLM ignores the
+        # model's generation_config.json: see docs/sampling.md.
+        truncated = [f"{k} = {v}" for k, v, off in (("top_p", self.top_p, (1.0,)), ("top_k", self.top_k, (-1, 0)),
+                                                     ("min_p", self.min_p, (0.0,))) if v not in off]
+        if truncated:
+            raise ValueError(
+                f"{', '.join(truncated)}: truncated sampling is not supported in RL: the trainer scores the full "
+                "softmax (logits / temperature), so samples from a truncated distribution would bias every "
+                "importance ratio; leave top_p = 1, top_k = -1, min_p = 0 and tune the temperature instead"
+            )
+        return self
+
 
 class EnvConfig(StrictModel):
     id: str = "reverse-text"
