@@ -111,3 +111,57 @@ def test_token_logprobs_matches_manual_log_softmax_in_bfloat16():
 def test_entropy_from_logits():
     logits = torch.tensor([[0.0, 0.0, 0.0, 0.0], [0.0, -1e4, -1e4, -1e4]])
     torch.testing.assert_close(entropy_from_logits(logits), torch.tensor([math.log(4), 0.0]))
+
+
+# The same 2 x 3 example under the other importance modes (band [0.5, 2], clamp 1.5, cap 2).
+def test_sequence_mask_keeps_or_drops_whole_samples_by_their_geometric_mean_ratio():
+    cfg = CFG.model_copy(update={"importance": "sequence_mask"})
+    loss, stats, grad = _run(cfg=cfg)
+    # sample 0: mean log ratio (0 + 0.2 + 0.9) / 3 = 0.3667 -> 1.4429, in band: all 3 tokens kept,
+    #           2.46 included (the token mask drops it). -(1 + 1.2214028 + 2.4596031) * 2
+    # sample 1: loss tokens 0 and 2: (-0.9 + 1.5) / 2 = 0.3 -> 1.3499, in band: both kept.
+    #           -(0.4065697 + 4.4816891) * -1
+    assert loss.item() == pytest.approx((-9.3620118 + 4.8882588) / 5, abs=1e-6)
+    assert stats["masked_tokens"].item() == 0
+    # gradient -w * A / 5 with w = ratio; the clamped token has none
+    expected = torch.tensor([[-1.0 * 2 / 5, -1.2214028 * 2 / 5, -2.4596031 * 2 / 5], [0.4065697 / 5, 0.0, 0.0]])
+    torch.testing.assert_close(grad, expected, atol=1e-6, rtol=0)
+
+
+def test_sequence_mask_drops_a_sample_whose_mean_leaves_the_band():
+    cfg = CFG.model_copy(update={"importance": "sequence_mask"})
+    # log ratios [0.6, 0.9, 0.9]: mean 0.8 -> 2.2255 > 2, dropped whole, although e^0.6 = 1.82 is in band
+    loss, stats, grad = _run(trainer=[[0.0] * 3], inference=[[-0.6, -0.9, -0.9]], mask=[[1, 1, 1]], adv=[1.0],
+                             num_tokens=3, cfg=cfg)
+    assert loss.item() == 0.0 and stats["masked_tokens"].item() == 3
+    assert torch.count_nonzero(grad) == 0
+    token_loss, token_stats, _ = _run(trainer=[[0.0] * 3], inference=[[-0.6, -0.9, -0.9]], mask=[[1, 1, 1]],
+                                      adv=[1.0], num_tokens=3)
+    assert token_loss.item() == pytest.approx(-1.8221188 / 3, abs=1e-6) and token_stats["masked_tokens"].item() == 2
+
+
+def test_truncated_weights_cap_the_ratio_and_mask_nothing():
+    cfg = CFG.model_copy(update={"importance": "truncated"})
+    loss, stats, grad = _run(cfg=cfg)
+    # weights min(ratio, 2): sample 0 [1, 1.2214028, 2], A 2; sample 1 [0.4065697, -, 2], A -1
+    assert loss.item() == pytest.approx((-(1 + 1.2214028 + 2.0) * 2 + (0.4065697 + 2.0)) / 5, abs=1e-6)
+    assert stats["masked_tokens"].item() == 0
+    expected = torch.tensor([[-1.0 * 2 / 5, -1.2214028 * 2 / 5, -2.0 * 2 / 5], [0.4065697 / 5, 0.0, 0.0]])
+    torch.testing.assert_close(grad, expected, atol=1e-6, rtol=0)
+
+
+def test_no_correction_is_plain_reinforce():
+    cfg = CFG.model_copy(update={"importance": "none"})
+    loss, stats, grad = _run(cfg=cfg)
+    assert loss.item() == pytest.approx((-3 * 2.0 + 2 * 1.0) / 5, abs=1e-6)  # -A per loss token
+    assert stats["masked_tokens"].item() == 0
+    # -A / 5 on every loss token, whatever its ratio; the clamped one has no gradient
+    torch.testing.assert_close(grad, torch.tensor([[-0.4, -0.4, -0.4], [0.2, 0.0, 0.0]]), atol=1e-6, rtol=0)
+
+
+def test_the_mask_band_must_fit_inside_the_clamp():
+    with pytest.raises(ValueError, match="must lie inside the log-ratio clamp"):
+        LossConfig(log_ratio_clamp=2.0)  # e^2 = 7.39 < mask_ratio_high 8: a clamped ratio would pass
+    with pytest.raises(ValueError, match="must lie inside the log-ratio clamp"):
+        LossConfig(mask_ratio_low=0.1, mask_ratio_high=2.0, log_ratio_clamp=2.0)  # e^-2 = 0.135 > 0.1
+    LossConfig(mask_ratio_low=0.14, mask_ratio_high=7.0, log_ratio_clamp=2.0)

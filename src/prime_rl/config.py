@@ -15,6 +15,7 @@ process starts.
 from __future__ import annotations
 
 import importlib.util
+import math
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -248,11 +249,20 @@ class OptimConfig(StrictModel):
 class LossConfig(StrictModel):
     """Token-level policy-gradient loss corrected by the trainer/inference importance ratio."""
 
+    importance: Literal["token_mask", "sequence_mask", "truncated", "none"] = "token_mask"
+    """How the ratio pi_trainer / pi_inference corrects the off-policy gap: `token_mask` weighs
+    each token by its ratio and drops tokens whose ratio leaves [mask_ratio_low, mask_ratio_high];
+    `sequence_mask` drops whole samples whose geometric-mean ratio leaves that band; `truncated`
+    weighs each token by min(ratio, truncate_max), no masking; `none` ignores it (plain REINFORCE)."""
+
     mask_ratio_low: float = Field(0.125, gt=0)
-    """Tokens whose ratio pi_trainer / pi_inference falls below this are masked out."""
+    """Tokens (samples, for `sequence_mask`) whose ratio falls below this are masked out."""
 
     mask_ratio_high: float = Field(8.0, gt=0)
-    """Tokens whose ratio pi_trainer / pi_inference rises above this are masked out."""
+    """Tokens (samples, for `sequence_mask`) whose ratio rises above this are masked out."""
+
+    truncate_max: float = Field(2.0, gt=0)
+    """Cap on the importance weight for `importance = "truncated"`."""
 
     log_ratio_clamp: float = Field(10.0, gt=0)
     """The log-ratio is clamped to [-c, c] before `exp` so the ratio stays finite."""
@@ -261,6 +271,13 @@ class LossConfig(StrictModel):
     def _band(self) -> LossConfig:
         if self.mask_ratio_low >= self.mask_ratio_high:
             raise ValueError("mask_ratio_low must be below mask_ratio_high")
+        # A band edge beyond the clamp could never be crossed: a clamped ratio would pass.
+        limit = math.exp(self.log_ratio_clamp)
+        if self.mask_ratio_high >= limit or self.mask_ratio_low <= 1 / limit:
+            raise ValueError(
+                f"the mask band [{self.mask_ratio_low}, {self.mask_ratio_high}] must lie inside the log-ratio clamp "
+                f"(exp(+-{self.log_ratio_clamp}) = [{1 / limit:.4g}, {limit:.4g}]): raise log_ratio_clamp or narrow the band"
+            )
         return self
 
 

@@ -42,6 +42,26 @@ def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch
     return log_z - (probs * scaled).sum(-1)
 
 
+def importance_weights(
+    log_ratio: torch.Tensor, loss_mask: torch.Tensor, cfg: LossConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weight, in_band) per token for ``cfg.importance`` (see ``policy_loss``), both [B, T].
+
+    log_ratio [B, T] (clamped, no gradient), loss_mask [B, T] bool."""
+    ratio = torch.exp(log_ratio)
+    everything = torch.ones_like(loss_mask, dtype=torch.bool)
+    if cfg.importance == "none":
+        return torch.ones_like(ratio), everything
+    if cfg.importance == "truncated":
+        return ratio.clamp(max=cfg.truncate_max), everything
+    if cfg.importance == "sequence_mask":
+        mask_f = loss_mask.float()
+        mean_log = (log_ratio * mask_f).sum(-1) / mask_f.sum(-1).clamp(min=1.0)  # [B]
+        seq_ratio = torch.exp(mean_log)[:, None].expand_as(ratio)
+        return ratio, (seq_ratio >= cfg.mask_ratio_low) & (seq_ratio <= cfg.mask_ratio_high)
+    return ratio, (ratio >= cfg.mask_ratio_low) & (ratio <= cfg.mask_ratio_high)
+
+
 def policy_loss(
     trainer_logprobs: torch.Tensor,
     inference_logprobs: torch.Tensor,
@@ -50,7 +70,7 @@ def policy_loss(
     cfg: LossConfig,
     num_tokens: int | float,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Token-level policy gradient, corrected by the trainer/inference importance ratio.
+    """Policy gradient, corrected by the trainer/inference importance ratio.
 
     trainer_logprobs [B, T] (carries the gradient), inference_logprobs [B, T],
     advantages [B] (one per sample, broadcast over tokens) or [B, T], loss_mask [B, T]
@@ -58,16 +78,24 @@ def policy_loss(
     micro-batches, all ranks), so summing the micro-batch losses gives the step's token
     mean and their gradients add up to the gradient of that mean.
 
-    ratio = exp(clamp(trainer - inference, -c, c)); per-token loss = -ratio * advantage,
-    whose gradient is -ratio * advantage * grad(trainer_logprob) (REINFORCE weighted by
-    the importance ratio). Tokens whose ratio leaves [mask_ratio_low, mask_ratio_high]
-    are dropped (the decision carries no gradient). A clamped log-ratio has zero
-    gradient; with the default band (log 8 < 10) a clamped token is masked anyway.
+    ratio = exp(clamp(trainer - inference, -c, c)). Each kept token's loss is
+    -w * A, where the weight w (no gradient of its own) depends on ``cfg.importance``, and
+    its gradient is -w * A * grad(trainer_logprob):
+
+    - ``token_mask``: w = ratio (REINFORCE weighted by the importance ratio); tokens whose
+      ratio leaves [mask_ratio_low, mask_ratio_high] are dropped;
+    - ``sequence_mask``: w = ratio; a sample whose geometric-mean ratio over its loss
+      tokens, exp(mean log ratio), leaves that band is dropped whole;
+    - ``truncated``: w = min(ratio, truncate_max), nothing dropped;
+    - ``none``: w = 1, nothing dropped (the gap is ignored).
+
+    The drop decisions carry no gradient. A clamped log-ratio has zero gradient; the
+    config keeps the band inside the clamp, so a masking mode drops clamped tokens anyway.
 
     Returns (loss, stats). Stats are detached 0-d sums and counts so a step can add them
     up across micro-batches and ranks exactly:
       loss_tokens      loss-mask tokens in this micro-batch
-      masked_tokens    of those, tokens dropped by the ratio band
+      masked_tokens    of those, tokens dropped by the ratio band (token or sample)
       ratio_sum        sum of the (clamped) ratio over loss-mask tokens
       mismatch_kl_sum  sum over loss-mask tokens of the k3 estimator of
                        KL(pi_inference || pi_trainer): ratio - 1 - log ratio (Schulman's k3
@@ -81,10 +109,11 @@ def policy_loss(
     ratio = torch.exp(log_ratio)
 
     with torch.no_grad():
-        in_band = (ratio >= cfg.mask_ratio_low) & (ratio <= cfg.mask_ratio_high)
+        weight, in_band = importance_weights(log_ratio.detach(), loss_mask, cfg)
         keep = loss_mask & in_band
 
-    per_token = -ratio * advantages
+    # value -w * A; gradient -w * A * grad(log_ratio) = -w * A * grad(trainer_logprob)
+    per_token = -weight * torch.exp(log_ratio - log_ratio.detach()) * advantages
     loss = torch.where(keep, per_token, torch.zeros_like(per_token)).sum() / num_tokens
 
     with torch.no_grad():
