@@ -164,3 +164,19 @@ def test_vllm_ignores_the_models_generation_defaults():
 
     cmd = vllm_command(RLConfig().inference, cpu=True)
     assert cmd[cmd.index("--generation-config") + 1] == "vllm"
+
+
+def test_process_config_reads_config_flags_in_every_form(tmp_path):
+    """A process's `--config PATH` and `--config=PATH` both load the file (flags still win);
+    `--config` without a path is a one-line error, not an IndexError."""
+    from prime_rl.config import SFTConfig
+    from prime_rl.settings import ConfigError, process_config
+
+    path = tmp_path / "sft.toml"
+    path.write_text("max_steps = 7\nseq_len = 64\n")
+    assert process_config(SFTConfig, ["--config", str(path)]).max_steps == 7
+    assert process_config(SFTConfig, [f"--config={path}", "--max-steps", "9"]).max_steps == 9
+    assert process_config(SFTConfig, ["--max-steps", "9", "--config", str(path)]).seq_len == 64
+    for argv in (["--config"], ["--max-steps", "3", "--config"], ["--config", "--max-steps", "3"], ["--config="]):
+        with pytest.raises(ConfigError, match="--config: expected the path of a config file"):
+            process_config(SFTConfig, argv)

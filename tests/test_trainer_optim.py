@@ -1,5 +1,6 @@
 """Optimizer helpers: linear warm-up values and the clip-then-step guard."""
 
+import pytest
 import torch
 
 from prime_rl.config import OptimConfig
@@ -45,3 +46,22 @@ def test_a_zero_gradient_leaves_the_weights_alone():
     model.weight.grad = torch.zeros_like(model.weight)
     optimizer.step()
     assert not torch.equal(model.weight.detach(), before)
+
+
+def test_a_skipped_step_does_not_advance_the_lr_schedule():
+    """Warm-up counts applied updates: after a non-finite and a zero-gradient step, the next
+    real update uses the lr the skipped ones would have used (here 2/3 of it)."""
+    model = torch.nn.Linear(2, 1, bias=False)
+    optimizer, scheduler = build_optimizer(model, OptimConfig(lr=0.3, warmup_steps=3))
+    x = torch.tensor([[3.0, 4.0]])
+
+    model(x).sum().backward()
+    assert clip_and_step(model, optimizer, scheduler, max_grad_norm=1.0)[1] == pytest.approx(0.1)  # 1/3
+    model(torch.tensor([[float("nan"), 1.0]])).sum().backward()
+    assert clip_and_step(model, optimizer, scheduler, max_grad_norm=1.0)[1] == pytest.approx(0.2)  # skipped
+    (0.0 * model(x).sum()).backward()
+    assert clip_and_step(model, optimizer, scheduler, max_grad_norm=1.0)[1] == pytest.approx(0.2)  # skipped
+    model(x).sum().backward()
+    assert clip_and_step(model, optimizer, scheduler, max_grad_norm=1.0)[1] == pytest.approx(0.2)  # the second update
+    model(x).sum().backward()
+    assert clip_and_step(model, optimizer, scheduler, max_grad_norm=1.0)[1] == pytest.approx(0.3)

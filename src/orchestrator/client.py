@@ -8,7 +8,7 @@ Speaks plain HTTP (httpx) to vLLM's OpenAI-compatible server. Training samples t
 exact tokens of the turns before it). vLLM-specific request fields: ``return_token_ids``
 makes it return ``choices[i].prompt_token_ids`` and ``choices[i].token_ids``;
 ``logprobs: 0`` gives the sampled tokens' ``choices[i].logprobs.token_logprobs``. No
-per-request ``seed``: it can crash the CPU engine (MACHINE_FACTS). Tool calls in those
+per-request ``seed``: it can crash the CPU engine (docs/machine_facts.md). Tool calls in those
 completions are parsed by vLLM's own parser through ``/v1/chat/completions/derender``
 (a vLLM server started with ``--enable-scale-out`` and ``--tool-call-parser``).
 

@@ -187,7 +187,7 @@ def write_process_configs(config: RLConfig, run_dir: Path) -> None:
 
 def process_specs(config: RLConfig, run_dir: Path) -> list[ProcessSpec]:
     python = sys.executable
-    # One thread per process: the processes share the cores (MACHINE_FACTS), and
+    # One thread per process: the processes share the cores (docs/machine_facts.md), and
     # OMP_WAIT_POLICY=PASSIVE stops idle OpenMP threads from spinning.
     quiet = {"OMP_WAIT_POLICY": "PASSIVE", "TOKENIZERS_PARALLELISM": "false"}
     ranks = config.orchestrator.num_trainer_ranks

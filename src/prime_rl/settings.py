@@ -159,11 +159,17 @@ def _model_type(annotation: Any) -> type[BaseModel] | None:
 def process_config(cls: type[M], argv: list[str]) -> M:
     """Entry of a single process: `python -m trainer.rl [CONFIG...] [--flags]` (JSON or TOML)."""
     files, flags = split_argv(argv)
-    if "--config" in flags:  # also accept `--config PATH`
-        i = flags.index("--config")
-        files.append(Path(flags[i + 1]))
-        flags = flags[:i] + flags[i + 2 :]
-    return load_config(cls, files, flags)
+    rest, args = [], iter(flags)
+    for arg in args:  # also accept `--config PATH` and `--config=PATH`, anywhere among the flags
+        name, eq, inline = arg.partition("=")
+        if name != "--config":
+            rest.append(arg)
+            continue
+        path = inline if eq else next(args, "")
+        if not path or (not eq and path.startswith("--")):
+            raise ConfigError("--config: expected the path of a config file (JSON or TOML)")
+        files.append(Path(path))
+    return load_config(cls, files, rest)
 
 
 def run_process(name: str, cls: type[M], body: Callable[[M], None], argv: list[str] | None = None) -> int:

@@ -42,6 +42,10 @@ def clip_and_step(
     but AdamW would still move the weights along its momentum from earlier steps (and
     decay them). Measured on wiki-search (sparse reward): two informative steps in 30, yet
     the policy drifted every step until its tool-call rate fell from 0.97 to 0.
+
+    The lr schedule counts applied updates: a skipped step leaves it where it was, so the
+    warm-up spans ``warmup_steps`` real updates however many batches carried no signal (and
+    the next update uses the lr this one would have used).
     """
     lr = optimizer.param_groups[0]["lr"]
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
@@ -50,6 +54,6 @@ def clip_and_step(
     grad_norm = float(norm)
     if math.isfinite(grad_norm) and grad_norm > 0:
         optimizer.step()
+        scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    scheduler.step()
     return grad_norm, lr
