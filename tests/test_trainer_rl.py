@@ -51,6 +51,21 @@ def make_samples(model_dir: Path, policy_version: int) -> list:
     return samples
 
 
+def completion_logprobs(model_dir: Path, samples: list) -> list[float]:
+    """Sum of each sample's completion-token logprobs under the model in ``model_dir``."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    sums = []
+    for sample in samples:
+        mt = collate(MicroBatch(samples=[sample]), 64, 0, torch.device("cpu"))
+        with torch.no_grad():
+            logits = model(input_ids=mt.input_ids).logits.float() / TEMPERATURE
+        lp = torch.log_softmax(logits[0, :-1], -1).gather(-1, mt.input_ids[0, 1:, None])[:, 0]
+        sums.append(float(lp[mt.loss_mask[0, 1:]].sum()))
+    return sums
+
+
 def batch_frame(step: int, samples: list, schema_version: int = SCHEMA_VERSION) -> bytes:
     micro = [MicroBatch(samples=samples[:2]), MicroBatch(samples=samples[2:])]
     return encode_batch(TrainBatch(schema_version, step, rank=0, temperature=TEMPERATURE, micro_batches=micro))
@@ -133,11 +148,18 @@ def test_rl_trainer_process_trains_and_publishes_weights(tiny_model, tmp_path):
     initial = AutoModelForCausalLM.from_pretrained(tiny_model).state_dict()
     trained = AutoModelForCausalLM.from_pretrained(weights_dir(run) / "step_2").state_dict()
     assert initial.keys() == trained.keys()
-    assert any(not torch.equal(initial[k], trained[k]) for k in initial)
+    # The update went the way of the advantages: the completion the batch rewarded most
+    # (advantage +1) became more likely, the one it punished most (-1) less likely.
+    before = completion_logprobs(tiny_model, samples)
+    after = completion_logprobs(weights_dir(run) / "step_2", samples)
+    assert after[0] > before[0] and after[1] < before[1], (before, after)
 
     rows = [r for r in read_jsonl(run / "metrics.jsonl") if r["process"] == "trainer"]
     assert [r["step"] for r in rows] == [0, 1]
     first = rows[0]
+    # on-policy (ratio 1): -sum(advantage x completion tokens) / loss tokens
+    # = -(1 * 4 - 1 * 6 + 0.5 * 4 - 0.5 * 8) / 22
+    assert first["loss/policy"] == pytest.approx(4 / 22, abs=1e-3)
     assert first["loss/mismatch_kl"] < 1e-3
     assert first["loss/ratio"] == pytest.approx(1.0, abs=1e-4)
     assert first["loss/masked_frac"] == 0.0
@@ -289,3 +311,21 @@ def test_nonfinite_steps_are_skipped_then_stop_the_run(tiny_model, tmp_path):
     last = max(complete_steps(weights_dir(run)))
     weights = load_file(str(weights_dir(run) / f"step_{last}" / "model.safetensors"))
     assert all(torch.isfinite(t).all() for t in weights.values()), "published weights must stay finite"
+
+
+def test_the_loss_mean_skips_samples_without_advantage_by_default():
+    """A group whose rewards were all equal (advantage 0) carries no gradient; by default its
+    tokens do not count in the step's mean either, so it cannot shrink the others' step."""
+    from prime_rl.config import LossConfig
+    from trainer.data import MicroTensors
+    from trainer.rl import loss_token_count
+
+    loss_mask = torch.tensor([[0, 0, 1, 1, 1], [0, 1, 1, 1, 1], [0, 0, 0, 1, 1]]).bool()  # 3, 4, 2 loss tokens
+    mt = MicroTensors(
+        input_ids=torch.zeros(3, 5, dtype=torch.long), attention_mask=torch.ones(3, 5, dtype=torch.long),
+        loss_mask=loss_mask, inference_logprobs=torch.zeros(3, 5), advantages=torch.tensor([0.5, 0.0, -0.5]),
+        num_truncated=0,
+    )
+    assert LossConfig().denominator == "informative"
+    assert loss_token_count(mt, "informative") == 3 + 2
+    assert loss_token_count(mt, "all") == 3 + 4 + 2

@@ -267,6 +267,9 @@ class LossConfig(StrictModel):
     log_ratio_clamp: float = Field(10.0, gt=0)
     """The log-ratio is clamped to [-c, c] before `exp` so the ratio stays finite."""
 
+    denominator: Literal["informative", "all"] = "informative"
+    """Tokens the step's loss is averaged over: `informative` counts the loss tokens of samples with a nonzero advantage only (a group whose rewards were all equal teaches nothing and must not shrink the step of the others), `all` counts every loss token."""
+
     @model_validator(mode="after")
     def _band(self) -> LossConfig:
         if self.mask_ratio_low >= self.mask_ratio_high:

@@ -128,7 +128,7 @@ def train_step(
     pad_id = getattr(model.config, "pad_token_id", None) or 0
     micros = [collate(m, cfg.seq_len, pad_id, world.device) for m in batch.micro_batches]
     # Step-wide normalisers, identical on every rank. Position 0 is never scored (no prefix).
-    local_tokens = sum(int(m.loss_mask[:, 1:].sum()) for m in micros)
+    local_tokens = sum(loss_token_count(m, cfg.loss.denominator) for m in micros)
     num_tokens = max(1, int(all_reduce(scalar(local_tokens, world), dist.ReduceOp.SUM)))
     num_micro = int(all_reduce(scalar(len(micros), world), dist.ReduceOp.MAX))
 
@@ -144,6 +144,16 @@ def train_step(
     versions = [s.policy_version for m in batch.micro_batches for s in m.samples]
     min_version = all_reduce(scalar(min(versions, default=10**9), world), dist.ReduceOp.MIN)
     return {**dict(zip(SUM_KEYS, sums.tolist())), "grad_norm": grad_norm, "lr": lr, "min_version": float(min_version)}
+
+
+def loss_token_count(mt: MicroTensors, denominator: str) -> int:
+    """Loss tokens of a micro-batch that the step's mean divides by (position 0 is never
+    scored): all of them, or (``informative``) those of samples with a nonzero advantage,
+    which are the only ones with a gradient."""
+    per_sample = mt.loss_mask[:, 1:].sum(-1)  # [B]
+    if denominator == "informative":
+        per_sample = per_sample * (mt.advantages != 0)
+    return int(per_sample.sum())
 
 
 def micro_step(
