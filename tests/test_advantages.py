@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from orchestrator.advantages import group_advantages, zero_variance_groups
+from orchestrator.advantages import group_advantages, keep_groups, zero_variance_groups
 
 
 def test_reward_minus_group_mean():
@@ -42,3 +42,10 @@ def test_group_size_one_has_no_signal():
 def test_bad_group_size(group_size):
     with pytest.raises(ValueError, match="groups of"):
         group_advantages([1.0, 2.0, 3.0], group_size)
+
+
+def test_keep_groups_drops_equal_rewards_and_means_outside_the_band():
+    rewards = [0, 0,  1, 0,  1, 1,  0.25, 0.75,  1, 0.5]  # means 0, .5, 1, .5, .75
+    assert keep_groups(rewards, 2, drop_equal=True).tolist() == [False, True, False, True, True]
+    assert keep_groups(rewards, 2, drop_equal=False, max_mean=0.6).tolist() == [True, True, False, True, False]
+    assert keep_groups(rewards, 2, drop_equal=True, min_mean=0.6, max_mean=0.8).tolist() == [False, False, False, False, True]

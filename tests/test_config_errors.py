@@ -42,6 +42,7 @@ CASES = [
     ("[inference]\nport = 80\n", [], "inference.port: Input should be greater than or equal to 1024"),
     ("[trainer.loss]\nmask_ratio_low = 2.0\nmask_ratio_high = 1.5\n", [], "mask_ratio_low must be below mask_ratio_high"),
     ("[trainer.loss]\nlog_ratio_clamp = 2.0\n", [], "must lie inside the log-ratio clamp"),
+    ("[orchestrator.filter]\nmin_mean_reward = 0.8\nmax_mean_reward = 0.2\n", [], "min_mean_reward (0.8) must not exceed max_mean_reward (0.2)"),
     ("[trainer.loss]\nimportance = 'geo'\n", [], "trainer.loss.importance: Input should be 'token_mask', 'sequence_mask'"),
     ("[orchestrator]\nnum_trainer_ranks = 3\n", [], "must split evenly over num_trainer_ranks (3)"),
     ("[trainer.optim]\nmax_grad_norm = 0\n", [], "trainer.optim.max_grad_norm: Input should be greater than 0"),

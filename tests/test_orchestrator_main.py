@@ -259,3 +259,58 @@ def test_per_turn_trains_each_turn_of_a_template_that_rewrites_earlier_turns(tmp
         text2 = bytes(t for t in ids2 if t < 256).decode()
         assert text2.count("<think>") == 1 and "assistant\nok" in text2  # turn 1 re-rendered without it
         assert first.advantage == second.advantage
+
+
+class ScriptedEnv:
+    """An environment whose example i is the list of rewards its group gets."""
+
+    def __init__(self, patterns):
+        self.dataset = patterns
+
+    async def rollout_group(self, sampler, example, n):
+        from types import SimpleNamespace
+
+        return [SimpleNamespace(reward=float(r)) for r in example]
+
+
+def filtered_step(patterns, k=2, **filter_args):
+    from orchestrator.data import ExampleOrder
+    from orchestrator.main import sample_step
+
+    cfg = OrchestratorConfig(rollouts_per_example=2, batch_size=2 * k, filter={"enabled": True, **filter_args})
+    order = ExampleOrder([len(patterns)], seed=0)
+    picks, rollouts, row = asyncio.run(sample_step([("e", ScriptedEnv(patterns))], order, None, cfg, k))
+    groups = [[r.reward for _, r in rollouts[i : i + 2]] for i in range(0, len(rollouts), 2)]
+    return picks, groups, row
+
+
+def test_filtering_replaces_groups_without_signal_until_the_batch_is_full():
+    patterns = [[0, 0], [1, 0], [1, 1], [0, 1], [0, 0], [1, 1], [1, 0], [0, 0]]  # 3 of 8 informative
+    picks, groups, row = filtered_step(patterns, k=2)
+    assert len(groups) == 2 and all(g[0] != g[1] for g in groups)
+    # every pick was sampled; the ones beyond the first 2 are the extra examples
+    informative = [patterns[i][0] != patterns[i][1] for _, i in picks]
+    assert sum(informative) == 2 and informative[-1]  # it stopped at the second informative group
+    assert row["filter/extra_rollouts"] == 2 * (len(picks) - 2)
+    assert row["filter/dropped_frac"] == pytest.approx((len(picks) - 2) / len(picks))
+    assert row["filter/topped_up"] == 0
+
+
+def test_filtering_stops_at_its_cap_and_fills_the_batch_with_dropped_groups():
+    patterns = [[0, 0], [1, 1], [0, 0], [1, 1], [1, 0]]
+    picks, groups, row = filtered_step(patterns, k=2, max_extra_examples=1)
+    assert len(picks) == 3 and row["filter/extra_rollouts"] == 2
+    kept = [g for g in groups if g[0] != g[1]]
+    assert len(groups) == 2 and row["filter/topped_up"] == 2 - len(kept)
+    sampled = [patterns[i] for _, i in picks]
+    assert row["filter/sampled_reward_mean"] == pytest.approx(sum(map(sum, sampled)) / 6)
+
+
+def test_without_filtering_the_step_is_the_next_k_examples():
+    from orchestrator.data import ExampleOrder
+    from orchestrator.main import sample_step
+
+    patterns = [[0, 0], [1, 1], [0, 1]]
+    cfg = OrchestratorConfig(rollouts_per_example=2, batch_size=4)
+    picks, rollouts, row = asyncio.run(sample_step([("e", ScriptedEnv(patterns))], ExampleOrder([3], seed=0), None, cfg, 2))
+    assert len(picks) == 2 and len(rollouts) == 4 and row == {}

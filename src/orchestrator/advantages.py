@@ -41,3 +41,22 @@ def group_advantages(
         advantages = advantages / (groups.std(axis=1, keepdims=True) + eps)  # population std, as in GRPO
     advantages[zero_variance_groups(rewards, group_size)] = 0.0
     return advantages.reshape(-1)
+
+
+def keep_groups(
+    rewards: Sequence[float] | np.ndarray,
+    group_size: int,
+    drop_equal: bool,
+    min_mean: float | None = None,
+    max_mean: float | None = None,
+) -> np.ndarray:
+    """bool [num_groups]: groups online difficulty filtering keeps: not all rewards equal
+    (when ``drop_equal``) and a mean reward within [min_mean, max_mean] (bounds optional)."""
+    groups = _grouped(rewards, group_size)
+    keep = ~zero_variance_groups(rewards, group_size) if drop_equal else np.ones(len(groups), dtype=bool)
+    means = groups.mean(axis=1)
+    if min_mean is not None:
+        keep &= means >= min_mean
+    if max_mean is not None:
+        keep &= means <= max_mean
+    return keep

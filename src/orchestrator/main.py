@@ -8,7 +8,8 @@ Before the first step of a fresh run, a preflight check of the task's difficulty
       newer complete `weights/step_K/` is reloaded as soon as it appears;
   (b) evaluate on the eval splits every `eval.interval` steps;
   (c) pick the step's examples (seeded, weighted order over the environments);
-  (d) run every rollout of the step concurrently through the inference server;
+  (d) run every rollout of the step concurrently through the inference server (with
+      `[orchestrator.filter]`: drop groups that teach nothing, sample replacements);
   (e) advantages within each example's group of rollouts;
   (f) pack one batch per trainer rank and send it;
   (g) log a metrics row (overall, and per environment).
@@ -39,7 +40,7 @@ from prime_rl.rundir import MARKER, latest_weights_step, weights_dir, weights_st
 from prime_rl.settings import ConfigError, help_text, process_config
 from prime_rl.wire import encode_batch
 
-from orchestrator.advantages import group_advantages, zero_variance_groups
+from orchestrator.advantages import group_advantages, keep_groups, zero_variance_groups
 from orchestrator.batch import ScoredRollout, pack_batches
 from orchestrator.client import InferenceClient, InferenceError
 from orchestrator.data import ExampleOrder
@@ -111,6 +112,48 @@ async def generate(
     if len(rollouts) != len(picks) * n:
         raise InferenceError(f"expected {len(picks) * n} rollouts, got {len(rollouts)}")
     return rollouts
+
+
+async def sample_step(
+    envs: list[tuple[str, Environment]], order: ExampleOrder, sampler: TokenSampler, cfg: OrchestratorConfig, k: int
+) -> tuple[list[tuple[int, int]], list[tuple[str, Rollout]], dict[str, float | int]]:
+    """(every example picked, the batch's rollouts group by group, filter metrics) for ``k`` groups.
+
+    Without filtering: the next ``k`` examples and their rollouts. With it: groups
+    ``keep_groups`` rejects are dropped and the shortfall is sampled again from the next
+    examples, at most ``filter.max_extra_examples`` more per step; a batch still short
+    after that is filled with dropped groups (in sampling order) so every step trains on
+    ``batch_size`` rollouts."""
+    n, f = cfg.rollouts_per_example, cfg.filter
+    picks = order.next(k)
+    rollouts = await generate(envs, picks, sampler, n)
+    if not f.enabled:
+        return picks, rollouts, {}
+    kept: list[list[tuple[str, Rollout]]] = []
+    dropped: list[list[tuple[str, Rollout]]] = []
+    sampled_rewards: list[float] = []
+    extra = 0
+    while True:
+        groups = [rollouts[i : i + n] for i in range(0, len(rollouts), n)]
+        rewards = [r.reward for _, r in rollouts]
+        sampled_rewards += rewards
+        for group, keep in zip(groups, keep_groups(rewards, n, f.drop_equal_rewards, f.min_mean_reward, f.max_mean_reward)):
+            (kept if keep else dropped).append(group)
+        more = min(k - len(kept), f.max_extra_examples - extra)
+        if more <= 0:
+            break
+        new_picks = order.next(more)
+        picks, extra = picks + new_picks, extra + more
+        rollouts = await generate(envs, new_picks, sampler, n)
+    topped_up = max(0, k - len(kept))
+    batch = kept[:k] + dropped[:topped_up]
+    row = {
+        "filter/dropped_frac": len(dropped) / (len(kept) + len(dropped)),
+        "filter/extra_rollouts": extra * n,
+        "filter/topped_up": topped_up,
+        "filter/sampled_reward_mean": float(np.mean(sampled_rewards)),
+    }
+    return picks, [item for group in batch for item in group], row
 
 
 def check_async_bound(items: list[ScoredRollout], step: int, async_level: int) -> None:
@@ -212,12 +255,12 @@ async def run(cfg: OrchestratorConfig, envs: list[tuple[str, Environment]], toke
             # (b) evaluation on the eval splits, with the policy just synced
             if cfg.eval.interval and step % cfg.eval.interval == 0:
                 metrics.log(step, await evaluate(envs, sampler, cfg, version), process="eval")
-            # (c) the step's examples
+            # (c) the step's examples, (d) all their rollouts concurrently (the client caps
+            # requests in flight); with [orchestrator.filter], groups that teach nothing are
+            # dropped and replaced by new examples' groups
             cursor_before = order.state_dict()
-            picks = order.next(examples_per_step)
-            # (d) all rollouts concurrently (the client caps requests in flight)
             generate_start = time.perf_counter()
-            rollouts = await generate(envs, picks, sampler, cfg.rollouts_per_example)
+            picks, rollouts, filter_row = await sample_step(envs, order, sampler, cfg, examples_per_step)
             generate_s = time.perf_counter() - generate_start
             # (e) advantages within each example's group
             advantages = group_advantages(
@@ -237,6 +280,7 @@ async def run(cfg: OrchestratorConfig, envs: list[tuple[str, Environment]], toke
             )
             frames = [encode_batch(batch) for batch in batches]
             row = step_metrics(step, items, sync, cfg, generate_s, time.perf_counter() - step_start, client.retries)
+            row.update(filter_row)
             if record_progress:
                 versions = [item.policy_version for item in items]
                 record = StepRecord(step, frames, cursor_before, order.state_dict(), picks, min(versions), max(versions), data, row)

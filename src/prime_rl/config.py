@@ -374,6 +374,32 @@ class AdvantageConfig(StrictModel):
     """Divide each group's centred rewards by the group's reward std (GRPO); off = Dr. GRPO style."""
 
 
+class FilterConfig(StrictModel):
+    """Online difficulty filtering: groups that teach nothing are dropped and replaced by newly sampled ones."""
+
+    enabled: bool = False
+    """Filter each step's groups (off: every sampled group is trained on)."""
+
+    drop_equal_rewards: bool = True
+    """Drop groups whose rollouts all got the same reward (zero advantage: no gradient)."""
+
+    min_mean_reward: float | None = None
+    """Drop groups whose mean reward is below this (too hard); None = no lower bound."""
+
+    max_mean_reward: float | None = None
+    """Drop groups whose mean reward is above this (too easy); None = no upper bound."""
+
+    max_extra_examples: int = Field(32, ge=0)
+    """Most examples sampled per step beyond the batch's to replace dropped groups; past it the batch is filled with dropped groups (counted in `filter/topped_up`)."""
+
+    @model_validator(mode="after")
+    def _band(self) -> FilterConfig:
+        low, high = self.min_mean_reward, self.max_mean_reward
+        if low is not None and high is not None and low > high:
+            raise ValueError(f"min_mean_reward ({low}) must not exceed max_mean_reward ({high})")
+        return self
+
+
 class OrchestratorConfig(StrictModel):
     model: str = "Qwen/Qwen3-0.6B"
     """Model name as served by inference (its path or id)."""
@@ -389,6 +415,9 @@ class OrchestratorConfig(StrictModel):
 
     advantage: AdvantageConfig = AdvantageConfig()
     """How rewards become advantages within each group."""
+
+    filter: FilterConfig = FilterConfig()
+    """Online difficulty filtering of each step's groups."""
 
     tokenizer: str | None = None
     """Tokenizer (HF id or local path) that renders prompts; None = `model`."""
