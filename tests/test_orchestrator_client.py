@@ -108,6 +108,14 @@ def test_failed_reload_names_the_call_and_still_resumes(tmp_path):
     assert server.admin_calls() == ["/pause?mode=wait", "/collective_rpc", "/collective_rpc", "/resume"]
 
 
+def test_a_reload_that_times_out_is_not_sent_again(tmp_path):
+    """The engine may still be loading: a second reload_weights would run behind its back."""
+    with FakeInferenceServer(delay={"/collective_rpc": 1.0}) as server:
+        with pytest.raises(InferenceError, match=r"/collective_rpc: no answer within 0.3 s \(not sent again"):
+            run_with_client(server, lambda c: c.reload_weights(tmp_path), timeout_s=0.3, max_retries=3, retry_backoff_s=0.01)
+    assert server.admin_calls() == ["/pause?mode=wait", "/collective_rpc", "/resume"]
+
+
 def test_prefix_cache_reset_that_keeps_failing_is_an_error(tmp_path, monkeypatch):
     monkeypatch.setattr("orchestrator.client._RESET_RETRY_S", 0.0)
 

@@ -201,7 +201,12 @@ class InferenceClient:
         path = str(Path(weights_path).resolve())
         await self._post("/pause", params={"mode": "wait"})
         try:
-            await self._post("/collective_rpc", json={"method": "reload_weights", "kwargs": {"weights_path": path}})
+            # Not re-sent after a timeout or a broken connection: the first may still be running
+            # in the engine, and a second would load behind its back (sent again only when it
+            # never reached the server, or the server answered 5xx: then nothing is running).
+            await self._post(
+                "/collective_rpc", json={"method": "reload_weights", "kwargs": {"weights_path": path}}, resend_unanswered=False
+            )
             await self._reset_prefix_cache()
         except Exception:
             # Leave the server serving rather than paused forever; the error still propagates.
@@ -222,11 +227,16 @@ class InferenceClient:
 
     # ----------------------------------------------------------------------- plumbing
 
-    async def _post(self, path: str, *, check: bool = True, **kwargs: Any) -> httpx.Response | None:
+    async def _post(
+        self, path: str, *, check: bool = True, resend_unanswered: bool = True, **kwargs: Any
+    ) -> httpx.Response | None:
+        """POST with retries (``_post_with_retries``). ``resend_unanswered=False`` for calls
+        that must not run twice: a request the server may have received but not answered
+        (timeout, dropped connection) is then not sent again."""
         url = f"{self.base_url}{path}"
-        tries = f"{self.config.max_retries + 1} tries"
+        tries = f"{self.config.max_retries + 1} tries" if resend_unanswered else "not sent again: it may still be running"
         try:
-            response = await self._post_with_retries(path, **kwargs)
+            response = await self._post_with_retries(path, resend_unanswered, **kwargs)
         except httpx.TimeoutException:
             if not check:
                 return None
@@ -239,17 +249,19 @@ class InferenceClient:
             raise InferenceError(f"POST {url} answered status {response.status_code}: {response.text[:500]}")
         return response
 
-    async def _post_with_retries(self, path: str, **kwargs: Any) -> httpx.Response:
+    async def _post_with_retries(self, path: str, resend_unanswered: bool = True, **kwargs: Any) -> httpx.Response:
         """Retry transient failures with exponential backoff: a dropped or refused connection
-        (vLLM restarting), a timeout, an HTTP 5xx. The last failure is returned or raised."""
+        (vLLM restarting), a timeout, an HTTP 5xx. The last failure is returned or raised.
+        Without ``resend_unanswered`` only a refused connection (never received) and a 5xx
+        (answered) are retried."""
         for attempt in range(self.config.max_retries + 1):
             last = attempt == self.config.max_retries
             try:
                 response = await self._http.post(path, **kwargs)
                 if response.status_code not in TRANSIENT_STATUS or last:
                     return response
-            except httpx.TransportError:  # connect/read/write errors and timeouts
-                if last:
+            except httpx.TransportError as e:  # connect/read/write errors and timeouts
+                if last or not (resend_unanswered or isinstance(e, httpx.ConnectError)):
                     raise
             self.retries += 1
             await asyncio.sleep(self.config.retry_backoff_s * 2**attempt)
