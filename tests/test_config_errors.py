@@ -79,7 +79,3 @@ def test_malformed_config_stops_before_any_process(tmp_path, capsys, text, flags
     assert expected in err, err
     assert len(err.splitlines()) == 1, err
     assert not run.exists(), "a rejected config must not create or touch the run directory"
-
-
-def test_there_are_at_least_thirty_cases():
-    assert len(CASES) >= 30

@@ -31,12 +31,26 @@ def wait_until(predicate, timeout=30.0):
     return False
 
 
+def fail_once_serving(run_dir) -> str:
+    """A trainer that fails once inference has said 'serving' in its log (a ready file, not a
+    sleep: the failure must come after inference is up however slow the machine is)."""
+    log = run_dir / "logs" / "inference.log"
+    return "\n".join([
+        "import pathlib, sys, time",
+        f"log, deadline = pathlib.Path({str(log)!r}), time.monotonic() + 60",
+        "while not (log.exists() and 'serving' in log.read_text()) and time.monotonic() < deadline:",
+        "    time.sleep(0.05)",
+        "print('loss exploded', flush=True)",
+        "sys.exit(3)",
+    ])
+
+
 def test_failure_stops_the_others_and_names_the_failed_process(tmp_path):
     tag = new_tag()
     specs = f"""[
         ProcessSpec("inference", [sys.executable, "-c", {SERVE_FOREVER!r}], required=False),
         ProcessSpec("orchestrator", [sys.executable, "-c", "import time; time.sleep(600)"]),
-        ProcessSpec("trainer", [sys.executable, "-c", "import time, sys; time.sleep(1); print('loss exploded', flush=True); sys.exit(3)"]),
+        ProcessSpec("trainer", [sys.executable, "-c", {fail_once_serving(tmp_path)!r}]),
     ]"""
     env = {**os.environ, "PRIME_RL_TEST_TAG": tag}
     proc = subprocess.run([sys.executable, "-c", driver(tmp_path, specs)], capture_output=True, text=True, env=env, timeout=120)

@@ -210,15 +210,24 @@ def test_complete_n_returns_every_choice_from_one_request():
     assert all(r.prompt_ids == PROMPT for r in results)
 
 
-def test_refused_connection_is_retried_until_the_server_is_up():
+def test_refused_connection_is_retried_until_the_server_is_up(monkeypatch):
+    """The server comes up during the client's first back-off (an event, not a timer): the
+    request succeeds on its second try, one retry counted."""
     port = free_port()
     servers = []  # created late: binding the port is what makes connections succeed
+    real_sleep = asyncio.sleep
+
+    async def back_off(seconds):  # the client's wait after a failed try
+        if not servers:
+            servers.append(FakeInferenceServer(port=port).start())
+        await real_sleep(0)
+
+    monkeypatch.setattr("orchestrator.client.asyncio.sleep", back_off)
 
     async def go():
         client = InferenceClient(
             ClientConfig(base_url=f"http://127.0.0.1:{port}", timeout_s=5, max_retries=4, retry_backoff_s=0.2), "tiny"
         )
-        threading.Timer(0.3, lambda: servers.append(FakeInferenceServer(port=port).start())).start()
         try:
             return await complete(client, max_tokens=8, temperature=1.0), client.retries
         finally:
@@ -229,7 +238,7 @@ def test_refused_connection_is_retried_until_the_server_is_up():
     finally:
         for server in servers:
             server.stop()
-    assert result.text == "cba" and retries >= 1
+    assert result.text == "cba" and retries == 1
 
 
 def test_connection_errors_fail_clearly_after_the_retries():
