@@ -4,7 +4,10 @@ The folder it writes (config.json, generation_config.json, model.safetensors, to
 loads with `transformers.AutoModelForCausalLM` / `AutoTokenizer` and with vLLM, with no hub access.
 
     python scripts/build_tiny_model.py OUT_DIR [--hidden-size 64] [--num-layers 2] [--seed 0] [--head-dim 32]
-                                       [--chat-template chatml|think-stripping]
+                                       [--chat-template chatml|think-stripping] [--arch qwen3|qwen3_moe|llama]
+
+`--arch` picks the architecture family (the documentation's users train Qwen3 dense, Qwen3
+MoE and Llama models); every family shares the tokenizer, sizes and context.
 """
 
 from __future__ import annotations
@@ -124,6 +127,29 @@ def _bytes_to_unicode() -> dict[int, str]:
 VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 
+def _qwen3(hidden_size: int):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    return Qwen3Config, Qwen3ForCausalLM, {}
+
+
+def _qwen3_moe(hidden_size: int):
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    moe = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 2 * hidden_size,
+           "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True}
+    return Qwen3MoeConfig, Qwen3MoeForCausalLM, moe
+
+
+def _llama(hidden_size: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaConfig, LlamaForCausalLM, {}
+
+
+ARCHS = {"qwen3": _qwen3, "qwen3_moe": _qwen3_moe, "llama": _llama}
+
+
 def build_tiny_model(
     out_dir: Path,
     hidden_size: int = 64,
@@ -131,17 +157,23 @@ def build_tiny_model(
     seed: int = 0,
     head_dim: int = 32,
     chat_template: str = "chatml",
+    arch: str = "qwen3",
 ) -> Path:
     """Build and save the tiny model + tokenizer to `out_dir`; returns `out_dir`.
 
     4 query heads, 2 KV heads of `head_dim` (32: the smallest vLLM's CPU attention supports),
     MLP 4*hidden, untied embeddings, float32. Deterministic in (`hidden_size`, `num_layers`,
-    `seed`, `head_dim`): two builds write byte-identical files.
+    `seed`, `head_dim`, `arch`): two builds write byte-identical files. `qwen3_moe`: 4 experts
+    of intermediate size 2*hidden, 2 routed per token, in every layer; `llama`: the same
+    attention and MLP shapes as `qwen3`, without Qwen3's q/k norms.
     """
     if head_dim not in VLLM_CPU_HEAD_SIZES:
         raise ValueError(f"head_dim={head_dim} is not served by vLLM on CPU; use one of {VLLM_CPU_HEAD_SIZES}")
     import torch
-    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+    from transformers import GenerationConfig
+
+    if arch not in ARCHS:
+        raise ValueError(f"arch={arch!r}: expected one of {sorted(ARCHS)}")
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -155,7 +187,9 @@ def build_tiny_model(
     vocab_size = (len(tokenizer) + 7) // 8 * 8
 
     num_heads, num_kv_heads = 4, 2
-    config = Qwen3Config(
+    config_cls, model_cls, extra = ARCHS[arch](hidden_size)
+    config = config_cls(
+        **extra,
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=4 * hidden_size,
@@ -174,7 +208,7 @@ def build_tiny_model(
     )
 
     torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(config).to(torch.float32)
+    model = model_cls(config).to(torch.float32)
     model.generation_config = GenerationConfig(eos_token_id=eos_id, pad_token_id=pad_id, bos_token_id=None)
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
@@ -214,6 +248,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--head-dim", type=int, default=32, choices=VLLM_CPU_HEAD_SIZES)
     parser.add_argument("--chat-template", default="chatml", choices=sorted(CHAT_TEMPLATES))
+    parser.add_argument("--arch", default="qwen3", choices=sorted(ARCHS))
     args = parser.parse_args(argv)
 
     out = build_tiny_model(
@@ -223,10 +258,11 @@ def main(argv: list[str] | None = None) -> None:
         seed=args.seed,
         head_dim=args.head_dim,
         chat_template=args.chat_template,
+        arch=args.arch,
     )
     n_params = count_params(out)
     print(
-        f"wrote tiny Qwen3 model to {out} ({n_params:,} params, hidden={args.hidden_size}, "
+        f"wrote tiny {args.arch} model to {out} ({n_params:,} params, hidden={args.hidden_size}, "
         f"layers={args.num_layers}, seed={args.seed})"
     )
 

@@ -341,3 +341,27 @@ def test_tool_calling_trio_parses_calls_with_vllm_and_trains_only_the_model_toke
     assert sum(r["metrics/wiki-search/total_tool_calls"] for r in orchestrator) > 0
     trainer = [r for r in rows if r["process"] == "trainer"]
     assert trainer[0]["loss/mismatch_kl"] < 1e-3, trainer[0]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+def test_other_model_families_train_hand_off_and_match_vllm(tmp_path, arch):
+    """The documentation's other families (Qwen3 dense is every other trio test's model),
+    tiny and random: the trainer steps with FSDP2, writes weights vLLM reloads, and vLLM's
+    logprobs match the trainer's at the first step."""
+    from transformers import AutoConfig
+
+    model = tmp_path / f"tiny-{arch}"
+    subprocess.run([sys.executable, str(REPO / "scripts" / "build_tiny_model.py"), str(model), "--arch", arch],
+                   check=True, capture_output=True)
+    proc, run_dir, tag = launch(tmp_path, model, arch, "--no-tmux")
+    finish(proc, run_dir)
+    rows = read_jsonl(metrics_path(run_dir))
+    trainer = [r for r in rows if r["process"] == "trainer" and "loss/mismatch_kl" in r]
+    assert [r["step"] for r in trainer] == list(range(MAX_STEPS))
+    assert trainer[0]["loss/mismatch_kl"] < 1e-3, trainer[0]
+    assert all(r["optim/grad_norm"] > 0 for r in trainer), trainer
+    reloaded = [r["weights/reloaded_step"] for r in rows if r["process"] == "orchestrator" and "weights/reloaded_step" in r]
+    assert reloaded, "vLLM never reloaded the trainer's weights"
+    handed_off = weights_step_dir(run_dir, MAX_STEPS)
+    assert AutoConfig.from_pretrained(handed_off).model_type == AutoConfig.from_pretrained(model).model_type
+    assert tagged_processes(tag) == []
