@@ -20,14 +20,15 @@ def sampling_defaults_model(tiny_model, tmp_path_factory) -> Path:
     """The tiny model with a `generation_config.json` that truncates sampling (top_k 3, top_p
     0.5), as real models ship one (Qwen3: top_k 20, top_p 0.8). vLLM would apply it to every
     request that does not set those fields, and its logprobs would then no longer be the
-    full softmax the trainer scores."""
+    full softmax the trainer scores. No `do_sample`, as some models ship it: transformers
+    refuses to re-save such a config, so the trainer must carry the file verbatim."""
     import json
     import shutil
 
     out = tmp_path_factory.mktemp("models") / "sampling-defaults"
     shutil.copytree(tiny_model, out)
     config = json.loads((out / "generation_config.json").read_text())
-    (out / "generation_config.json").write_text(json.dumps({**config, "do_sample": True, "top_k": 3, "top_p": 0.5, "temperature": 0.6}))
+    (out / "generation_config.json").write_text(json.dumps({**config, "top_k": 3, "top_p": 0.5, "temperature": 0.6}))
     return out
 
 

@@ -61,3 +61,24 @@ def test_sft_run_writes_a_loadable_model_with_marker(tiny_model, tmp_path):
     assert [r["step"] for r in rows] == list(range(1, 13)) and all(r["process"] == "sft" for r in rows)
     assert {"loss/sft", "perf/tokens_per_s", "time/step"} <= rows[0].keys()
     assert rows[-1]["loss/sft"] < rows[0]["loss/sft"]
+
+
+def test_the_sft_model_carries_a_generation_config_transformers_would_refuse(tmp_path, sampling_defaults_model):
+    """A source whose generation_config.json sets top_k without do_sample (transformers'
+    save_pretrained refuses it): SFT still saves, with that file verbatim, and the output
+    loads with the same logits."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from trainer.sft import save_model
+
+    model = AutoModelForCausalLM.from_pretrained(sampling_defaults_model).eval()
+    out = tmp_path / "out"
+    save_model(model, AutoTokenizer.from_pretrained(sampling_defaults_model), str(sampling_defaults_model), out)
+    source_text = (sampling_defaults_model / "generation_config.json").read_text()
+    assert (out / "generation_config.json").read_text() == source_text
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "chat_template.jinja"):
+        assert (out / name).is_file(), name
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        torch.testing.assert_close(AutoModelForCausalLM.from_pretrained(out).eval()(ids).logits, model(ids).logits)

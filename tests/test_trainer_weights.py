@@ -52,3 +52,22 @@ def test_prune_keeps_last_and_unmarked_dirs_are_not_complete(tmp_path):
     (half / "model.safetensors").write_bytes(b"")
     (weights_dir(run) / "step_10.tmp").mkdir()
     assert complete_steps(weights_dir(run)) == [3, 4] and latest_weights_step(run) == 4
+
+
+def test_a_generation_config_transformers_would_refuse_to_save_is_carried_verbatim(tmp_path):
+    """Some models ship sampling defaults without `do_sample` (top_k 3 here); transformers'
+    save_pretrained refuses such a config, which must not fail the trainer's weight save."""
+    import json
+
+    model = tiny_tied_model()
+    source = tmp_path / "source"
+    source.mkdir()
+    text = json.dumps({"top_k": 3, "top_p": 0.5, "temperature": 0.6, "eos_token_id": 1})
+    (source / "generation_config.json").write_text(text)
+    from transformers import GenerationConfig
+
+    model.generation_config = GenerationConfig.from_pretrained(source)  # as from_pretrained(source) sets it
+    folder = save_weights(model, tmp_path / "run", step=1, keep_last=2, source_model_dir=source)
+    assert (folder / "generation_config.json").read_text() == text
+    assert save_weights(model, tmp_path / "run2", step=1, keep_last=2) is not None  # no source folder
+    assert (weights_dir(tmp_path / "run2") / "step_1" / "generation_config.json").is_file()

@@ -31,7 +31,7 @@ from trainer.data import right_pad
 from trainer.loss import token_logprobs
 from trainer.model import forward_logits, load_model, setup_world
 from trainer.optim import build_optimizer, clip_and_step
-from trainer.weights import copy_tokenizer_files
+from trainer.weights import write_hf_folder
 
 CONSOLE_KEYS = ("loss/sft", "optim/grad_norm", "perf/tokens_per_s", "time/step")
 CONSOLE_EVERY = 10
@@ -179,10 +179,13 @@ def batch_stream(examples: list[Example], batch_size: int, seed: int) -> Iterato
 def save_model(model: nn.Module, tokenizer, source_model: str, output_dir: Path) -> None:
     """HF folder (safetensors) + tokenizer, then the marker, written last and fsynced.
 
-    SFT does not change the tokenizer: a local source's files are copied as they are.
+    SFT does not change the tokenizer: a local source's files (and its generation_config.json)
+    are copied as they are, as the RL trainer's weight folders do (``write_hf_folder``).
     """
-    model.save_pretrained(output_dir)
-    if not copy_tokenizer_files(Path(source_model), output_dir):
+    source = Path(source_model)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    write_hf_folder(model, model.state_dict(), output_dir, source if source.is_dir() else None)
+    if not source.is_dir():  # a hub id: the tokenizer as loaded
         tokenizer.save_pretrained(output_dir)
     with open(output_dir / MARKER, "w") as f:
         f.write("sft\n")

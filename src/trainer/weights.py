@@ -20,6 +20,8 @@ from torch import nn
 
 from prime_rl.rundir import checkpoints_dir, complete_steps, prune_step_dirs, weights_dir, write_step_dir
 
+GENERATION_CONFIG = "generation_config.json"
+
 # Non-weight files of an HF model folder worth carrying along (small; tokenizer + template).
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -75,10 +77,15 @@ def write_hf_folder(
     folder = Path(folder)
     save_file(dedupe_tied(model, state), str(folder / "model.safetensors"), metadata={"format": "pt"})
     model.config.save_pretrained(folder)
-    if getattr(model, "generation_config", None) is not None:
-        model.generation_config.save_pretrained(folder)
-    if source_model_dir is not None:  # a hub id has no local folder: weights + config suffice
-        copy_tokenizer_files(Path(source_model_dir), folder)
+    source = Path(source_model_dir) if source_model_dir is not None else None
+    if source is not None and (source / GENERATION_CONFIG).is_file():
+        # verbatim: transformers refuses to re-save a config it deems inconsistent (top_k
+        # without do_sample, as some models ship), which would fail the first weight save
+        shutil.copy2(source / GENERATION_CONFIG, folder / GENERATION_CONFIG)
+    elif getattr(model, "generation_config", None) is not None:
+        model.generation_config.to_json_file(folder / GENERATION_CONFIG)  # no validation either
+    if source is not None:  # a hub id has no local folder: weights + config suffice
+        copy_tokenizer_files(source, folder)
 
 
 def copy_tokenizer_files(source: Path, dest: Path) -> bool:
