@@ -14,10 +14,11 @@ Runs go to outputs/ablation/<mode>/ (replaced on each invocation).
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
 from pathlib import Path
+
+from prime_rl.rundir import metrics_path, read_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
 MODES = ("none", "token_mask", "sequence_mask", "truncated")
@@ -36,7 +37,7 @@ def train(mode: str, max_steps: int, async_level: int) -> None:
 
 
 def curves(mode: str) -> dict[str, list[float]]:
-    rows = [json.loads(line) for line in (run_dir(mode) / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = read_jsonl(metrics_path(run_dir(mode)))
     orch = sorted((r for r in rows if r.get("process") == "orchestrator" and "reward/mean" in r), key=lambda r: r["step"])
     trainer = sorted((r for r in rows if r.get("process") == "trainer" and "loss/mismatch_kl" in r), key=lambda r: r["step"])
     return {

@@ -57,9 +57,10 @@ def importance_weights(
     if cfg.importance == "sequence_mask":
         mask_f = loss_mask.float()
         mean_log = (log_ratio * mask_f).sum(-1) / mask_f.sum(-1).clamp(min=1.0)  # [B]
-        seq_ratio = torch.exp(mean_log)[:, None].expand_as(ratio)
-        return ratio, (seq_ratio >= cfg.mask_ratio_low) & (seq_ratio <= cfg.mask_ratio_high)
-    return ratio, (ratio >= cfg.mask_ratio_low) & (ratio <= cfg.mask_ratio_high)
+        banded = torch.exp(mean_log)[:, None].expand_as(ratio)  # each sample's geometric mean
+    else:  # token_mask
+        banded = ratio
+    return ratio, (banded >= cfg.mask_ratio_low) & (banded <= cfg.mask_ratio_high)
 
 
 def policy_loss(
@@ -106,9 +107,9 @@ def policy_loss(
     if advantages.dim() == 1:
         advantages = advantages[:, None]  # [B] -> [B, 1], broadcast over tokens
     log_ratio = (trainer_logprobs - inference_logprobs).clamp(-cfg.log_ratio_clamp, cfg.log_ratio_clamp)
-    ratio = torch.exp(log_ratio)
 
-    with torch.no_grad():
+    with torch.no_grad():  # the gradient flows through log_ratio in per_token only
+        ratio = torch.exp(log_ratio)
         weight, in_band = importance_weights(log_ratio.detach(), loss_mask, cfg)
         keep = loss_mask & in_band
 
