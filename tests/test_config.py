@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -154,6 +155,34 @@ def test_tool_call_parser_reaches_vllm_and_the_orchestrator():
     i = cmd.index("--tool-call-parser")
     assert cmd[i + 1] == "hermes" and "--enable-auto-tool-choice" in cmd and "--enable-scale-out" in cmd
     assert "--tool-call-parser" not in vllm_command(RLConfig().inference, cpu=True)
+
+
+def test_trainer_lora_turns_on_adapters_in_inference_and_the_orchestrator():
+    """`[trainer.lora]` alone is the whole switch: vLLM serves adapters of a rank it accepts
+    (the next of its fixed ranks), with runtime loading, and the orchestrator loads each
+    step's adapter under one name; inconsistent settings are refused in one line."""
+    from inference.server import vllm_command, vllm_env
+    from prime_rl.config import RLConfig
+
+    cfg = RLConfig.model_validate({"trainer": {"lora": {"rank": 12}}})
+    assert cfg.inference.max_lora_rank == 16 and cfg.orchestrator.lora_adapter == "policy-lora"
+    cmd = vllm_command(cfg.inference, cpu=True)
+    assert "--enable-lora" in cmd and cmd[cmd.index("--max-lora-rank") + 1] == "16"
+    assert vllm_env(cfg.inference, cpu=True)["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
+    full = RLConfig()
+    assert full.inference.max_lora_rank is None and full.orchestrator.lora_adapter is None
+    assert "--enable-lora" not in vllm_command(full.inference, cpu=True)
+
+    for data, message in [
+        ({"trainer": {"lora": {"rank": 16}}, "inference": {"max_lora_rank": 8}}, "max_lora_rank (8) is below trainer.lora.rank (16)"),
+        ({"trainer": {"lora": {"rank": 8}}, "inference": {"max_lora_rank": 24}}, "vLLM accepts one of"),
+        ({"orchestrator": {"lora_adapter": "x"}}, "`[trainer.lora]` is not"),
+        ({"trainer": {"lora": {"target_modules": []}}}, "expected at least one module name"),
+        ({"trainer": {"lora": {"rank": 1024}}}, "less than or equal to 512"),
+        ({"trainer": {"lora": {"rnak": 8}}}, "rnak"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            RLConfig.model_validate(data)
 
 
 def test_vllm_ignores_the_models_generation_defaults():

@@ -137,6 +137,28 @@ def test_local_model_gets_its_own_server_on_a_free_port(tmp_path, tiny_model):
     assert pinned.client.base_url == "http://127.0.0.1:8123"
 
 
+def test_a_lora_runs_weights_are_served_as_an_adapter_on_their_base_model(tmp_path, tiny_model):
+    """`-m RUN/weights/step_N` of a LoRA run: vLLM serves the base model the adapter config
+    names, with the adapter loaded from the start under the name requests use."""
+    import json
+
+    from inference.server import vllm_command
+
+    adapter = tmp_path / "weights" / "step_3"
+    adapter.mkdir(parents=True)
+    (adapter / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": str(tiny_model), "r": 4}))
+    cfg = load_eval_config(["reverse-text", "-m", str(adapter), "--endpoints-path", str(tmp_path / "none.toml")])
+    target = resolve_eval_target(cfg)
+    assert (target.type, target.model) == ("local", str(adapter))
+    assert cfg.inference.model == str(tiny_model) and cfg.inference.max_lora_rank == 8  # vLLM's next rank
+    cmd = vllm_command(cfg.inference, cpu=True)
+    assert cmd[cmd.index("--lora-modules") + 1] == f"{adapter}={adapter.resolve()}" and "--enable-lora" in cmd
+
+    (adapter / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": str(tmp_path / "gone"), "r": 4}))
+    with pytest.raises(ConfigError, match=r"model \(the base model .*adapter_config.json names\): model path .*gone.* does not exist"):
+        resolve_eval_target(load_eval_config(["reverse-text", "-m", str(adapter)]))
+
+
 # --------------------------------------------------------------------------- endpoints and shipped configs
 
 

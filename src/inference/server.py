@@ -12,7 +12,10 @@ group holds vLLM's engine processes too. What RL needs from vLLM:
   tokens sampled (the `/v1/chat/completions/derender` route);
 - weight reload without restart: the dev-mode admin routes (`/pause`, `/collective_rpc`
   with `reload_weights`, `/reset_prefix_cache`, `/resume`), enabled by
-  VLLM_SERVER_DEV_MODE=1. The orchestrator drives them.
+  VLLM_SERVER_DEV_MODE=1. The orchestrator drives them;
+- with LoRA (`max_lora_rank`): the base model with adapters enabled (`--enable-lora
+  --max-lora-rank R`) and `/v1/load_lora_adapter` (VLLM_ALLOW_RUNTIME_LORA_UPDATING), through
+  which the orchestrator loads each step's adapter in place.
 This module does not know about the orchestrator or the trainer.
 """
 
@@ -50,6 +53,11 @@ def vllm_command(cfg: InferenceConfig, cpu: bool) -> list[str]:
         cmd.append("--enforce-eager")
     if cfg.api_key:
         cmd += ["--api-key", cfg.api_key]
+    if cfg.max_lora_rank is not None:
+        # one adapter at a time: each step's replaces the last one in place (the orchestrator)
+        cmd += ["--enable-lora", "--max-lora-rank", str(cfg.max_lora_rank), "--max-loras", "1"]
+    if cfg.lora_modules:
+        cmd += ["--lora-modules", *(f"{name}={path}" for name, path in cfg.lora_modules.items())]
     if cfg.tool_call_parser:
         # vLLM's parser reads the calls; /v1/chat/completions/derender (a scale-out route)
         # runs it on the token ids the orchestrator sampled through /v1/completions
@@ -63,6 +71,8 @@ def vllm_env(cfg: InferenceConfig, cpu: bool) -> dict[str, str]:
     env = dict(os.environ)
     env["VLLM_SERVER_DEV_MODE"] = "1"  # exposes the admin routes used for weight reload
     env.setdefault("VLLM_CONFIGURE_LOGGING", "1")
+    if cfg.max_lora_rank is not None:
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"  # /v1/load_lora_adapter
     if cpu:
         env["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.kv_cache_gb)
         if cfg.cpu_threads_bind is not None:

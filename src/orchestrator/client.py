@@ -1,6 +1,6 @@
 """Inference client: completions of token-id prompts with exact token ids and logprobs,
 chat completions for text-only endpoints, and the admin calls of a vLLM server (health,
-weight reload).
+weight reload, LoRA adapter loading).
 
 Speaks plain HTTP (httpx) to vLLM's OpenAI-compatible server. Training samples through
 ``/v1/completions`` with the prompt as token ids (the orchestrator renders chats itself,
@@ -66,9 +66,11 @@ class Completion:
 
 
 class InferenceClient:
-    def __init__(self, config: ClientConfig, model_name: str):
+    def __init__(self, config: ClientConfig, model_name: str, lora_adapter: str | None = None):
         self.config = config
         self.model_name = model_name
+        """The model requests name: the served model, or once one is loaded, the LoRA adapter."""
+        self.lora_adapter = lora_adapter
         self.base_url = config.base_url.rstrip("/")
         headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
         self._http = httpx.AsyncClient(
@@ -193,7 +195,9 @@ class InferenceClient:
             await asyncio.sleep(poll_s)
 
     async def reload_weights(self, weights_path: Path | str) -> None:
-        """Load an HF safetensors folder into the running server, in place.
+        """Load an HF safetensors folder into the running server, in place; with
+        ``lora_adapter``, a PEFT adapter folder, loaded in place under that name, which
+        requests name from then on.
 
         The order matters: pause (finishing in-flight requests), reload, reset the prefix
         cache (else KV computed with the old weights is served silently), resume.
@@ -201,12 +205,19 @@ class InferenceClient:
         path = str(Path(weights_path).resolve())
         await self._post("/pause", params={"mode": "wait"})
         try:
-            # Not re-sent after a timeout or a broken connection: the first may still be running
-            # in the engine, and a second would load behind its back (sent again only when it
-            # never reached the server, or the server answered 5xx: then nothing is running).
-            await self._post(
-                "/collective_rpc", json={"method": "reload_weights", "kwargs": {"weights_path": path}}, resend_unanswered=False
-            )
+            if self.lora_adapter is None:
+                # Not re-sent after a timeout or a broken connection: the first may still be running
+                # in the engine, and a second would load behind its back (sent again only when it
+                # never reached the server, or the server answered 5xx: then nothing is running).
+                await self._post(
+                    "/collective_rpc", json={"method": "reload_weights", "kwargs": {"weights_path": path}}, resend_unanswered=False
+                )
+            else:
+                # Idempotent: a second in-place load of the same folder (after a lost answer) is harmless.
+                await self._post(
+                    "/v1/load_lora_adapter", json={"lora_name": self.lora_adapter, "lora_path": path, "load_inplace": True}
+                )
+                self.model_name = self.lora_adapter
             await self._reset_prefix_cache()
         except Exception:
             # Leave the server serving rather than paused forever; the error still propagates.

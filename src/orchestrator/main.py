@@ -5,7 +5,8 @@
 Before the first step of a fresh run, a preflight check of the task's difficulty
 (`orchestrator.preflight`). Per step n (0..max_steps-1), top to bottom:
   (a) sync the policy: inference must serve weights of version >= n - async_level; a
-      newer complete `weights/step_K/` is reloaded as soon as it appears;
+      newer complete `weights/step_K/` is reloaded as soon as it appears (with LoRA, the
+      adapter it holds is loaded, and requests name it);
   (b) evaluate on the eval splits every `eval.interval` steps;
   (c) pick the step's examples (seeded, weighted order over the environments);
   (d) run every rollout of the step concurrently through the inference server (with
@@ -234,7 +235,7 @@ async def run(cfg: OrchestratorConfig, envs: list[tuple[str, Environment]], toke
     data = {"seed": cfg.seed, "dataset_sizes": sizes, "weights": weights, "examples_per_step": examples_per_step}
     record_progress = cfg.ckpt.interval > 0
     metrics = make_metrics("orchestrator", cfg.output_dir, CONSOLE_KEYS, cfg.wandb, cfg.model_dump(mode="json"))
-    client = InferenceClient(cfg.client, cfg.model)
+    client = InferenceClient(cfg.client, cfg.model, lora_adapter=cfg.lora_adapter)
     sampler = TokenSampler(
         client, tokenizer, cfg.sampling, cfg.seq_len, per_turn=cfg.multi_turn == "per_turn", tool_call_parser=cfg.tool_call_parser
     )
@@ -245,6 +246,8 @@ async def run(cfg: OrchestratorConfig, envs: list[tuple[str, Environment]], toke
         if cfg.ckpt.resume_step is not None:
             start, version = resume(cfg, data, order, sender, metrics)
         await client.wait_healthy(cfg.client.startup_timeout_s)
+        if version > 0 and cfg.lora_adapter is not None:  # LoRA: inference serves the base; load the adapter
+            await client.reload_weights(weights_step_dir(cfg.output_dir, version))
         if start == 0 and cfg.preflight.enabled:
             metrics.log(0, await preflight(dict(envs), sampler, cfg.preflight, cfg.seed, log), process="preflight")
         for step in range(start, cfg.max_steps):

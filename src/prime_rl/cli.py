@@ -4,6 +4,7 @@
     prime-rl CONFIG.toml --resume | --resume-step N [...]                        continue a run
     prime-rl sft CONFIG.toml [--dotted.flags ...]                                 supervised fine-tuning
     prime-rl eval ENV_ID|CONFIG.toml [-m MODEL] [-n N] [-r R] [-s] [...]          evaluate a model
+    prime-rl export RUN_DIR [--step N] [--merge] [--output DIR]                   a run's weights, standalone
     prime-rl [sft|eval] --help                                                    every setting, with its doc
 
 Configs are validated, and model paths checked, before any process starts; a bad
@@ -34,12 +35,14 @@ from prime_rl.config import (
     SFTConfig,
     check_model_path,
     environment_name,
+    vllm_lora_rank,
 )
 from prime_rl.endpoints import Endpoint, load_endpoints
 from prime_rl.launcher import ProcessSpec, run, tmux_available
 from prime_rl.resume import ResumeRefused, check_resumable, choose_resume_step, rewind
 from prime_rl.rundir import (
     checkpoints_dir,
+    complete_steps,
     config_path,
     logs_dir,
     metrics_path,
@@ -75,6 +78,8 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(sft(argv[1:]))
         if argv[:1] == ["eval"]:
             sys.exit(evaluate(argv[1:]))
+        if argv[:1] == ["export"]:
+            sys.exit(export(argv[1:]))
         if argv[:1] == ["rl"]:
             argv = argv[1:]
         sys.exit(rl(argv))
@@ -141,9 +146,11 @@ def prepare_resume(config: RLConfig, run_dir: Path, requested: int | None, dry_r
         raise ConfigError(str(e)) from None
     config.trainer.ckpt.resume_step = step
     config.orchestrator.ckpt.resume_step = step
-    # Inference starts on the checkpoint's weights, served under the name requests use.
-    config.inference.served_model_name = config.inference.served_model_name or config.inference.model
-    config.inference.model = str(weights_step_dir(run_dir, step))
+    # Inference starts on the checkpoint's weights, served under the name requests use. With
+    # LoRA it serves the base model, and the orchestrator loads the checkpoint's adapter first.
+    if config.trainer.lora is None:
+        config.inference.served_model_name = config.inference.served_model_name or config.inference.model
+        config.inference.model = str(weights_step_dir(run_dir, step))
     if not dry_run:
         for line in rewind(run_dir, step):
             print(f"[prime-rl] resume: removed {line}", flush=True)
@@ -224,6 +231,41 @@ def sft(argv: list[str]) -> int:
         return subprocess.call(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     except KeyboardInterrupt:
         return 130
+
+
+# --------------------------------------------------------------------------- export
+
+
+def export(argv: list[str]) -> int:
+    """`prime-rl export`: a run's `weights/step_N` as a folder of its own (the merged model or
+    the LoRA adapter); the work runs in `trainer.export`, which imports torch."""
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="prime-rl export",
+        description="Write a run's weights/step_N as a standalone folder: with LoRA the PEFT adapter, or with "
+        "--merge the base model with the adapter merged in (an HF model folder); full fine-tuning weights are copied.",
+    )
+    parser.add_argument("run_dir", type=Path, help="the run's output_dir")
+    parser.add_argument("--step", type=int, default=None, help="weights/step_N to export (default: the newest complete one)")
+    parser.add_argument("--merge", action="store_true", help="merge the LoRA adapter into the base model")
+    parser.add_argument("--output", type=Path, default=None, help="folder to create (default: RUN_DIR/exports/step_N[-merged])")
+    parser.add_argument("--base", default=None, help="base model of the adapter, if it moved (default: the one adapter_config.json names)")
+    args = parser.parse_args(argv)
+    complete = complete_steps(weights_dir(args.run_dir))
+    if not complete:
+        raise ConfigError(f"{str(args.run_dir)!r}: no complete weights/step_N in {weights_dir(args.run_dir)} (is it a run's output_dir?)")
+    step = complete[-1] if args.step is None else args.step
+    if step not in complete:
+        raise ConfigError(f"--step {step}: {weights_step_dir(args.run_dir, step)} is not complete; complete ones: {', '.join(map(str, complete))}")
+    output = args.output or args.run_dir / "exports" / f"step_{step}{'-merged' if args.merge else ''}"
+    if output.exists():
+        raise ConfigError(f"--output: {str(output)!r} exists already; remove it or choose another folder")
+    if args.base is not None:
+        checked_model_path(args.base, "--base")
+    cmd = [sys.executable, "-m", "trainer.export", str(weights_step_dir(args.run_dir, step)), str(output)]
+    cmd += ["--merge"] * args.merge + (["--base", args.base] if args.base else [])
+    return subprocess.call(cmd)
 
 
 # --------------------------------------------------------------------------- eval
@@ -337,6 +379,13 @@ def resolve_eval_target(config: EvalRunConfig) -> EvalTarget:
     if "model" in inference.model_fields_set and inference.model != config.model:
         raise ConfigError(f"conflicting values: `model` = {config.model!r} but `inference.model` = {inference.model!r}; set `model` only")
     inference.model = config.model
+    adapter = lora_adapter(config.model)
+    if adapter is not None:  # a LoRA run's weights/step_N: its base model, serving the adapter
+        base, rank = adapter
+        checked_model_path(base, f"model (the base model {Path(config.model) / 'adapter_config.json'} names)")
+        inference.model = base
+        inference.max_lora_rank = inference.max_lora_rank or vllm_lora_rank(rank)
+        inference.lora_modules = {config.model: str(Path(config.model).resolve())}
     if "port" not in inference.model_fields_set:
         inference.port = free_port(inference.host)
     config.client.base_url = f"http://{inference.host}:{inference.port}"
@@ -351,6 +400,18 @@ def resolve_eval_target(config: EvalRunConfig) -> EvalTarget:
     return EvalTarget(type="local", model=inference.served_model_name or config.model)
 
 
+def lora_adapter(model: str) -> tuple[str, int] | None:
+    """(base model, rank) when ``model`` is a PEFT adapter folder, else None."""
+    path = Path(model).expanduser() / "adapter_config.json"
+    if not path.is_file():
+        return None
+    try:
+        adapter = json.loads(path.read_text())
+        return str(adapter["base_model_name_or_path"]), int(adapter["r"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"model: {str(path)!r} is not a PEFT adapter config ({type(e).__name__}: {e})") from None
+
+
 def find_endpoint(config: EvalRunConfig) -> Endpoint | None:
     """`endpoint_id`, else `model` when it names an endpoint; None for a local folder or HF id."""
     if config.endpoint_id is not None:
@@ -359,7 +420,8 @@ def find_endpoint(config: EvalRunConfig) -> Endpoint | None:
         return known_endpoint(config.endpoint_id, config, field="endpoint_id")
     name = config.model
     if Path(name).expanduser().exists():
-        checked_model_path(name, "model")
+        if lora_adapter(name) is None:  # an adapter folder is checked with its base model
+            checked_model_path(name, "model")
         return None
     if config.endpoints_path.is_file() and name in (endpoints := load_endpoints(config.endpoints_path)):
         return endpoints[name]

@@ -284,6 +284,38 @@ class LossConfig(StrictModel):
         return self
 
 
+# vLLM's `--max-lora-rank` takes one of these (vllm/config/lora.py, `MaxLoRARanks`).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+class LoraConfig(StrictModel):
+    """Low-rank adapters (`peft`): only the adapters train; the base model stays frozen."""
+
+    rank: int = Field(16, ge=1, le=VLLM_LORA_RANKS[-1])
+    """Adapter rank r (vLLM serves ranks up to 512)."""
+
+    alpha: float = Field(32.0, gt=0)
+    """Scaling numerator: the adapter's update is scaled by alpha / rank."""
+
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the adapter's input while training. Inference applies none, so anything
+    above 0 makes the trainer score a different distribution than the one sampled."""
+
+    target_modules: list[str] = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    """Names of the linear layers that get adapters (Qwen3 and Llama names: attention and MLP projections)."""
+
+    @model_validator(mode="after")
+    def _modules(self) -> LoraConfig:
+        if not self.target_modules:
+            raise ValueError("target_modules: expected at least one module name (e.g. \"q_proj\")")
+        return self
+
+
+def vllm_lora_rank(rank: int) -> int:
+    """The smallest rank vLLM's `--max-lora-rank` accepts that holds an adapter of ``rank``."""
+    return next(r for r in VLLM_LORA_RANKS if r >= rank)
+
+
 class WeightsConfig(StrictModel):
     keep_last: int = Field(3, ge=1)
     """How many `weights/step_N/` directories to keep (older ones are deleted)."""
@@ -311,6 +343,9 @@ class TrainerConfig(StrictModel):
 
     loss: LossConfig = LossConfig()
     """Loss settings."""
+
+    lora: LoraConfig | None = None
+    """Train LoRA adapters instead of every weight (`[trainer.lora]`); None = full fine-tuning. `weights/step_N/` then holds the adapter (PEFT format), which inference loads at run time."""
 
     weights: WeightsConfig = WeightsConfig()
     """Weight handoff to inference."""
@@ -425,6 +460,9 @@ class OrchestratorConfig(StrictModel):
     tool_call_parser: str | None = None
     """vLLM's tool-call parser the inference server runs (filled from `inference.tool_call_parser`); tool environments need one."""
 
+    lora_adapter: str | None = None
+    """Name under which each new `weights/step_N/` adapter is loaded into inference and which requests then name (set when `[trainer.lora]` is); None = full weights are reloaded."""
+
     multi_turn: Literal["sequence", "per_turn"] = "sequence"
     """How a multi-turn rollout is trained: `sequence` = one sample with every turn's exact tokens (needs a chat template that renders each turn as an extension of the previous ones); `per_turn` = one sample per turn, its prompt the template's rendering of the conversation so far (for templates that rewrite earlier turns, e.g. Qwen3's <think> stripping)."""
 
@@ -527,6 +565,12 @@ class InferenceConfig(StrictModel):
     cpu_threads_bind: str | None = None
     """VLLM_CPU_OMP_THREADS_BIND (e.g. `0` or `0-1`); None leaves vLLM's default."""
 
+    max_lora_rank: int | None = Field(None, ge=1)
+    """Serve LoRA adapters up to this rank, loaded at run time (vLLM `--enable-lora --max-lora-rank`); filled from `[trainer.lora]`. None = no adapters."""
+
+    lora_modules: dict[str, str] = {}
+    """LoRA adapters served from the start, name -> PEFT adapter folder (vLLM `--lora-modules`); needs `max_lora_rank`. `prime-rl eval -m RUN/weights/step_N` of a LoRA run fills it."""
+
     tool_call_parser: str | None = None
     """vLLM's tool-call parser for the model family (`--tool-call-parser`, with `--enable-auto-tool-choice`): `hermes` for Qwen3, Qwen2.5 and the tiny test model. Tool environments need it; None = no tool calls."""
 
@@ -535,6 +579,12 @@ class InferenceConfig(StrictModel):
 
     output_dir: Path = Path("outputs/run")
     """Run directory (the server's log lives there)."""
+
+    @model_validator(mode="after")
+    def _adapters_need_lora(self) -> InferenceConfig:
+        if self.lora_modules and self.max_lora_rank is None:
+            raise ValueError("lora_modules: set max_lora_rank too (the largest adapter rank to serve)")
+        return self
 
 
 # --------------------------------------------------------------------------- root (RL)
@@ -641,6 +691,7 @@ class RLConfig(StrictModel):
                     f"environment {env.id!r} calls tools: set `[inference] tool_call_parser` to vLLM's parser "
                     "for the model family (\"hermes\" for Qwen3, Qwen2.5 and the tiny test model)"
                 )
+        self._lora()
         # One checkpoint schedule for both processes: the orchestrator follows the trainer's.
         if "ckpt" not in self.orchestrator.model_fields_set:
             self.orchestrator.ckpt = self.trainer.ckpt.model_copy()
@@ -650,6 +701,33 @@ class RLConfig(StrictModel):
                 "conflicting values: `orchestrator.ckpt` differs from `trainer.ckpt`; set `[ckpt]` once for both"
             )
         return self
+
+
+    def _lora(self) -> None:
+        """`[trainer.lora]` turns on adapter serving in inference and adapter loading in the
+        orchestrator; either one set without the trainer training adapters is a mistake."""
+        lora, inference, orchestrator = self.trainer.lora, self.inference, self.orchestrator
+        if lora is None:
+            if orchestrator.lora_adapter is not None:
+                raise ValueError("orchestrator.lora_adapter is set but `[trainer.lora]` is not: the trainer would write full weights")
+            return
+        if inference.max_lora_rank is None:
+            inference.max_lora_rank = vllm_lora_rank(lora.rank)
+            inference.model_fields_set.discard("max_lora_rank")
+        elif inference.max_lora_rank < lora.rank:
+            raise ValueError(f"inference.max_lora_rank ({inference.max_lora_rank}) is below trainer.lora.rank ({lora.rank})")
+        if inference.max_lora_rank not in VLLM_LORA_RANKS:
+            raise ValueError(f"inference.max_lora_rank: vLLM accepts one of {list(VLLM_LORA_RANKS)}, got {inference.max_lora_rank}")
+        if orchestrator.lora_adapter is None:
+            orchestrator.lora_adapter = LORA_ADAPTER_NAME
+            orchestrator.model_fields_set.discard("lora_adapter")
+        served = inference.served_model_name or inference.model
+        if orchestrator.lora_adapter in (served, orchestrator.model):
+            raise ValueError(f"orchestrator.lora_adapter {orchestrator.lora_adapter!r} must differ from the served model's name")
+
+
+LORA_ADAPTER_NAME = "policy-lora"
+"""The name each step's adapter is loaded under (in place) unless `orchestrator.lora_adapter` says otherwise."""
 
 
 def propagate_shared(data: dict[str, Any]) -> None:

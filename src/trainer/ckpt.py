@@ -1,9 +1,11 @@
 """Resumable trainer checkpoints: ``RUN/checkpoints/step_N/`` holds the state after N steps.
 
     checkpoints/step_N/
-      model_optim/               model + AdamW state, torch.distributed.checkpoint (DCP)
+      model_optim/               model + AdamW state, torch.distributed.checkpoint (DCP);
+                                 with LoRA the adapters and their AdamW state only (the
+                                 frozen base is reloaded from trainer.model.name)
       rng_rank_R.safetensors     torch RNG state of rank R (CPU, and CUDA when present)
-      trainer.json               step, LR-schedule state, world size
+      trainer.json               step, LR-schedule state, world size, LoRA or not
       STABLE                     marker, written last: only then does the checkpoint exist
 
 DCP writes every rank's shards in parallel and reshards on load, so a checkpoint of N
@@ -28,7 +30,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from prime_rl.rundir import (
     MARKER,
@@ -42,6 +44,7 @@ from prime_rl.rundir import (
     write_failed,
     write_json_atomic,
 )
+from trainer.lora import is_lora
 
 
 class CheckpointError(RuntimeError):
@@ -83,6 +86,14 @@ def set_rng_state(state: dict[str, torch.Tensor]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+def state_dict_options(model: nn.Module) -> StateDictOptions:
+    """What a checkpoint holds: every weight, or (LoRA) the trainable adapters only; a load
+    then leaves the frozen base as loaded, and DCP still refuses a missing adapter tensor."""
+    if is_lora(model):
+        return StateDictOptions(ignore_frozen_params=True, strict=False)
+    return StateDictOptions()
+
+
 def scheduler_state(scheduler) -> dict:
     """The LR schedule's numbers (its lambdas are code, rebuilt from the config)."""
     return {k: v for k, v in scheduler.state_dict().items() if k != "lr_lambdas"}
@@ -107,12 +118,13 @@ def save_checkpoint(
         # Each rank's RNG file first: dcp.save is collective, so a rank that failed here
         # stops the others there and the marker is never written.
         save_file(rng_state(), str(tmp / f"rng_rank_{rank}.safetensors"))
-        model_state, optim_state = get_state_dict(model, optimizer)
+        model_state, optim_state = get_state_dict(model, optimizer, options=state_dict_options(model))
         with single_process_quiet():
             dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp / "model_optim")
         if rank == 0:
             world_size = dist.get_world_size() if dist.is_initialized() else 1
-            write_json_atomic(tmp / "trainer.json", {"step": step, "world_size": world_size, "scheduler": scheduler_state(scheduler)})
+            meta = {"step": step, "world_size": world_size, "lora": is_lora(model), "scheduler": scheduler_state(scheduler)}
+            write_json_atomic(tmp / "trainer.json", meta)
             finish_step_dir(tmp, step)
     except (Exception, CheckpointException) as e:  # OSError, or DCP's wrapper of one per rank (a BaseException)
         if rank == 0:
@@ -154,20 +166,32 @@ def load_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, schedule
         )
     try:
         meta = json.loads((folder / "trainer.json").read_text())
-        model_state, optim_state = get_state_dict(model, optimizer)
+        check_same_mode(meta, model, folder)
+        options = state_dict_options(model)
+        model_state, optim_state = get_state_dict(model, optimizer, options=options)
         state = {"model": model_state, "optim": optim_state}
         with single_process_quiet():
             dcp.load(state, storage_reader=SafeFileSystemReader(folder / "model_optim"))
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options)
         scheduler.load_state_dict({**meta["scheduler"], "lr_lambdas": [None] * len(optimizer.param_groups)})
         rng_file = folder / f"rng_rank_{_rank()}.safetensors"
         if rng_file.is_file():  # a run resumed on more ranks than it had keeps the new ranks' seeds
             set_rng_state(load_file(str(rng_file)))
+    except CheckpointError:
+        raise
     except (OSError, KeyError, ValueError, RuntimeError, pickle.UnpicklingError, CheckpointException) as e:
         raise CheckpointError(f"cannot load checkpoint {folder}: {_one_line(_root_cause(e))}") from e
     if meta["step"] != step:
         raise CheckpointError(f"{folder / 'trainer.json'} says step {meta['step']}, expected {step}")
     return step
+
+
+def check_same_mode(meta: dict, model: nn.Module, folder: Path) -> None:
+    """A LoRA checkpoint holds adapters only, a full one no adapters: neither resumes as the other."""
+    saved, now = bool(meta.get("lora", False)), is_lora(model)
+    if saved != now:
+        kinds = {True: "LoRA adapters (`[trainer.lora]`)", False: "full fine-tuning (no `[trainer.lora]`)"}
+        raise CheckpointError(f"{folder} was written by {kinds[saved]}, but this run is configured for {kinds[now]}")
 
 
 # --------------------------------------------------------------------------- metadata without pickle

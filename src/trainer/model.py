@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from prime_rl.config import ModelConfig
+from prime_rl.config import LoraConfig, ModelConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -57,14 +57,19 @@ def teardown_world(world: World) -> None:
         dist.destroy_process_group()
 
 
-def load_model(cfg: ModelConfig, world: World) -> nn.Module:
-    """HF causal LM in the configured dtype, on the rank's device, FSDP2-sharded if distributed."""
+def load_model(cfg: ModelConfig, world: World, lora: LoraConfig | None = None) -> nn.Module:
+    """HF causal LM in the configured dtype, on the rank's device, with LoRA adapters when
+    ``lora`` is given (``trainer.lora``), FSDP2-sharded if distributed."""
     from transformers import AutoModelForCausalLM  # heavy import, only where it is needed
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # a progress bar per load is noise in a process log
     model = AutoModelForCausalLM.from_pretrained(cfg.name, dtype=DTYPES[cfg.dtype])
     model.config.use_cache = False  # training never decodes; the KV cache only costs memory
+    if lora is not None:
+        from trainer.lora import add_lora
+
+        model = add_lora(model, lora)
     model.to(world.device)
     if world.distributed:
         shard_model(model)

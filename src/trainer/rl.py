@@ -51,7 +51,7 @@ def train(cfg: TrainerConfig) -> None:
     # ---- setup: threads, process group, model, optimizer, metrics, transport
     world = setup_world(cfg.num_threads)
     torch.manual_seed(cfg.seed)
-    model = load_model(cfg.model, world)
+    model = load_model(cfg.model, world, cfg.lora)
     optimizer, scheduler = build_optimizer(model, cfg.optim)
     metrics = (
         make_metrics("trainer", cfg.output_dir, CONSOLE_KEYS, cfg.wandb, cfg.model_dump(mode="json"))
@@ -213,11 +213,22 @@ def step_metrics(s: dict[str, float], timings: dict[str, float], step: int) -> d
         "perf/samples": int(s["samples"]),
         "perf/loss_tokens": int(s["loss_tokens"]),
         "perf/truncated": int(s["truncated"]),
+        "perf/peak_memory_mb": peak_memory_mb(),
         **{f"time/{k}": v for k, v in timings.items()},
     }
     if s["samples"] > 0:
         row["staleness/max"] = step - int(s["min_version"])
     return row
+
+
+def peak_memory_mb() -> float:
+    """Peak memory of this rank so far: tensors allocated on the GPU, or on CPU the process's
+    maximum resident set (which includes the libraries, ~0.5 GB of torch and transformers)."""
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**20
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10  # Linux reports KiB
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,8 +3,10 @@
 The folder holds ``model.safetensors`` (HF parameter names, tied tensors stored once),
 ``config.json``, ``generation_config.json`` and the source model's tokenizer files, so it
 loads with ``AutoModelForCausalLM.from_pretrained`` and with vLLM's ``reload_weights``
-(which reads every ``*.safetensors`` in the folder). It is filled under ``step_N.tmp``,
-renamed, and only then gets its marker (``prime_rl.rundir``): readers act on the marker.
+(which reads every ``*.safetensors`` in the folder). With LoRA (``trainer.lora``) it holds
+the adapter alone, in PEFT's format, which inference loads beside the base model it serves.
+It is filled under ``step_N.tmp``, renamed, and only then gets its marker
+(``prime_rl.rundir``): readers act on the marker.
 This module does not know who reads the folder or when.
 """
 
@@ -19,6 +21,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from prime_rl.rundir import checkpoints_dir, complete_steps, prune_step_dirs, weights_dir, write_step_dir
+from trainer.lora import is_lora, write_adapter_folder
 
 GENERATION_CONFIG = "generation_config.json"
 
@@ -36,15 +39,19 @@ TOKENIZER_FILES = (
 )
 
 
-def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+def full_state_dict(model: nn.Module, trainable_only: bool = False) -> dict[str, torch.Tensor]:
     """Unsharded CPU state dict with HF names; under FSDP2 a collective every rank must call.
 
     With FSDP2 only rank 0 gets tensors (``cpu_offload=True`` leaves the others empty).
+    ``trainable_only`` leaves out frozen parameters (a LoRA model's base weights).
     """
     if dist.is_initialized() and dist.get_world_size() > 1:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=trainable_only)
+        return get_model_state_dict(model, options=options)
+    if trainable_only:
+        return {name: p for name, p in model.named_parameters() if p.requires_grad}
     return model.state_dict()
 
 
@@ -110,11 +117,13 @@ def save_weights(
     Every rank must call this (gathering is collective); rank 0 writes and returns the
     folder, other ranks return None.
     """
-    state = full_state_dict(model)
+    lora = is_lora(model)
+    state = full_state_dict(model, trainable_only=lora)
     if dist.is_initialized() and dist.get_rank() != 0:
         return None
     parent = weights_dir(run_dir)
-    final = write_step_dir(parent, step, "weights", lambda tmp: write_hf_folder(model, state, tmp, source_model_dir))
+    write_folder = write_adapter_folder if lora else write_hf_folder
+    final = write_step_dir(parent, step, "weights", lambda tmp: write_folder(model, state, tmp, source_model_dir))
     # A resumed run starts inference on the weights of its checkpoint's step: keep those.
     prune_step_dirs(parent, keep_last, protect=set(complete_steps(checkpoints_dir(run_dir))))
     return final
