@@ -48,6 +48,10 @@ def test_every_shipped_toml_parses():
         if path.name == "endpoints.toml":  # the endpoint registry of `prime-rl eval`, not a run config
             load_endpoints(path)
             continue
+        if path.stem == "lora":  # an overlay, layered on the rl.toml beside it
+            cfg = load_config(RLConfig, [path.parent / "rl.toml", path], [])
+            assert cfg.trainer.lora is not None and cfg.inference.max_lora_rank is not None
+            continue
         cls = EvalRunConfig if path.parent.name == "eval" else SFTConfig if path.stem.startswith("sft") else RLConfig
         load_config(cls, [path], [])
 

@@ -17,7 +17,7 @@ import torch
 import zmq
 from helpers import REPO, free_port, free_port_pair
 
-from prime_rl.config import TransportConfig
+from prime_rl.config import LoraConfig, TransportConfig
 from prime_rl.rundir import MARKER, complete_steps, read_jsonl, weights_dir
 from prime_rl.wire import SCHEMA_VERSION, MicroBatch, TrainBatch, encode_batch, make_sample
 from trainer.data import BatchReceiver, collate
@@ -260,13 +260,14 @@ def test_two_fsdp_ranks_match_one_process(tiny_model, tmp_path):
         torch.testing.assert_close(moments_two[key]["exp_avg"], moments_one[key]["exp_avg"], atol=2e-5, rtol=1e-3)
 
 
-def run_trainer(model_dir: Path, run: Path, world: int, splits: list, samples: list) -> dict:
-    """Run trainer.rl for 2 steps on `world` ranks; rank r gets micro-batches splits[r] (sample indices)."""
+def run_trainer(model_dir: Path, run: Path, world: int, splits: list, samples: list, **extra) -> dict:
+    """Run trainer.rl for 2 steps on `world` ranks; rank r gets micro-batches splits[r] (sample
+    indices). Returns the tensors of weights/step_2 (the model, or with LoRA the adapter)."""
     from safetensors.torch import load_file
 
     port = free_port() if world == 1 else free_port_pair()
     run.mkdir(parents=True)
-    config = trainer_config(model_dir, run, port, timeout_s=120)
+    config = trainer_config(model_dir, run, port, timeout_s=120, **extra)
     (run / "trainer.json").write_text(json.dumps(config))
     launcher = ["-m", "torch.distributed.run", "--nproc-per-node", str(world)] if world > 1 else []
     ctx = zmq.Context()
@@ -290,7 +291,34 @@ def run_trainer(model_dir: Path, run: Path, world: int, splits: list, samples: l
         for sock in socks:
             sock.close()
         ctx.term()
-    return load_file(str(run / "weights" / "step_2" / "model.safetensors"))
+    folder = run / "weights" / "step_2"
+    return load_file(str(folder / ("adapter_model.safetensors" if "lora" in extra else "model.safetensors")))
+
+
+@pytest.mark.slow
+def test_two_fsdp_ranks_train_the_same_lora_adapter_as_one_process(tiny_model, tmp_path):
+    """LoRA under FSDP2 (frozen base and trainable adapters in the same shards): 2 gloo ranks
+    write the adapter one process writes, and their checkpoint resumes in one process."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    samples = make_samples(tiny_model, policy_version=0)
+    lora = {"lora": {"rank": 4, "alpha": 8}}
+    one = run_trainer(tiny_model, tmp_path / "one", world=1, splits=[[[0, 1], [2, 3]]], samples=samples, **lora)
+    two = run_trainer(tiny_model, tmp_path / "two", world=2, splits=[[[0], [1]], [[2, 3]]], samples=samples, **lora)
+    assert one.keys() == two.keys() and all(".lora_" in k for k in one)
+    assert max(one[k].abs().max().item() for k in one if "lora_B" in k) > 1e-4  # B left zero: it trained
+    assert max((one[k] - two[k]).abs().max().item() for k in one) < 2e-5
+
+    from test_trainer_lora import fresh
+    from trainer.ckpt import load_checkpoint
+
+    model, optimizer, scheduler = fresh(tiny_model, lora=LoraConfig(**lora["lora"]))
+    assert load_checkpoint(model, optimizer, scheduler, tmp_path / "two", step=2) == 2
+    reference = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model), tmp_path / "two" / "weights" / "step_2")
+    ids = torch.tensor([[5, 80, 81, 82]])
+    with torch.no_grad():
+        torch.testing.assert_close(model.eval()(input_ids=ids).logits, reference.eval()(input_ids=ids).logits)
 
 
 def test_nonfinite_steps_are_skipped_then_stop_the_run(tiny_model, tmp_path):

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from helpers import REPO, new_tag, tagged_processes, trio_toml
+from helpers import REPO, free_port, new_tag, tagged_processes, trio_toml
 from prime_rl.launcher import tail
 from orchestrator.data import ExampleOrder
 from orchestrator.envs import load_env
@@ -435,3 +435,30 @@ def test_lora_trio_serves_each_new_adapter_and_resumes(tmp_path, tiny_model):
     assert [r["step"] for r in rows if r["process"] == "trainer"] == list(range(MAX_STEPS + 1))
     to_adapter, to_base = served_logprob_gaps(run_dir, tiny_model, MAX_STEPS)
     assert to_adapter < 1e-3 and to_base > 1e-2, (to_adapter, to_base)
+
+
+@pytest.mark.slow
+def test_lora_rl_raises_the_quickstart_reward(tmp_path):
+    """The quickstart (tiny model, SFT warm-up, async RL on reverse-text) with LoRA layered on
+    (`configs/reverse-text/lora.toml`), 60 steps: the reward of the last 5 steps is above
+    that of the first 5, and vLLM sampled what the trainer scores at the first step."""
+    base, data, sft, run_dir = tmp_path / "base", tmp_path / "sft.jsonl", tmp_path / "sft", tmp_path / "rl"
+    for cmd in ([str(REPO / "scripts" / "build_tiny_model.py"), str(base)],
+                [str(REPO / "scripts" / "make_sft_data.py"), str(data)],
+                ["-m", "prime_rl.cli", "sft", str(REPO / "configs/reverse-text/sft.toml"), "--model.name", str(base),
+                 "--data.path", str(data), "--output-dir", str(sft)]):
+        subprocess.run([sys.executable, *cmd], check=True, capture_output=True, cwd=REPO)
+    proc, tag = start_launcher(
+        REPO / "configs/reverse-text/rl.toml", REPO / "configs/reverse-text/lora.toml", "--model", str(sft),
+        "--output-dir", str(run_dir), "--max-steps", "60", "--inference.port", str(free_port()), "--transport.port", str(free_port()),
+    )
+    finish(proc, run_dir, timeout=1500)
+    assert tagged_processes(tag) == []
+    rows = read_jsonl(metrics_path(run_dir))
+    reward = [r["reward/mean"] for r in rows if r["process"] == "orchestrator" and "reward/mean" in r]
+    trainer = [r for r in rows if r["process"] == "trainer"]
+    first, last = sum(reward[:5]) / 5, sum(reward[-5:]) / 5
+    print(f"LoRA on the quickstart: reward first 5 steps {first:.3f}, last 5 {last:.3f}; "
+          f"mismatch KL at step 0 {trainer[0]['loss/mismatch_kl']:.2e}; trainer peak memory {trainer[-1]['perf/peak_memory_mb']:.0f} MB")
+    assert len(reward) == 60 and last > first, reward
+    assert trainer[0]["loss/mismatch_kl"] < 1e-3
