@@ -10,17 +10,25 @@ import subprocess
 import pytest
 import torch
 
-from prime_rl.config import OptimConfig
+from prime_rl.config import LoraConfig, OptimConfig
 from prime_rl.rundir import MARKER, WriteFailed, checkpoint_step_dir, checkpoints_dir, complete_steps, weights_dir
 from trainer.ckpt import CheckpointError, checkpoint_due, load_checkpoint, save_checkpoint
+from trainer.lora import add_lora
 from trainer.optim import build_optimizer, clip_and_step
 from trainer.weights import save_weights
 
 
-def fresh(tiny_model):
+LORA = LoraConfig(rank=4, alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
+
+
+def fresh(tiny_model, lora: LoraConfig | None = None):
+    """The tiny model (with LoRA adapters when ``lora`` is given) and its optimizer."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    if lora is not None:
+        torch.manual_seed(0)  # lora_A starts random (the trainer seeds before loading, too)
+        model = add_lora(model, lora)
     optimizer, scheduler = build_optimizer(model, OptimConfig(lr=1e-2, warmup_steps=3, weight_decay=0.1))
     return model, optimizer, scheduler
 
@@ -32,18 +40,19 @@ def train_step(model, optimizer, scheduler, step: int) -> None:
     clip_and_step(model, optimizer, scheduler, max_grad_norm=1.0)
 
 
-def test_resume_continues_exactly_like_an_uninterrupted_run(tiny_model, tmp_path):
-    straight = fresh(tiny_model)
+@pytest.mark.parametrize("lora", [None, LORA], ids=["full", "lora"])
+def test_resume_continues_exactly_like_an_uninterrupted_run(tiny_model, tmp_path, lora):
+    straight = fresh(tiny_model, lora)
     for step in range(4):
         train_step(*straight, step)
 
-    interrupted = fresh(tiny_model)
+    interrupted = fresh(tiny_model, lora)
     for step in range(2):
         train_step(*interrupted, step)
     save_checkpoint(*interrupted, tmp_path, step=2, keep_last=2)
     train_step(*interrupted, 99)  # work after the checkpoint is lost with the process
 
-    resumed = fresh(tiny_model)
+    resumed = fresh(tiny_model, lora)
     assert load_checkpoint(*resumed, tmp_path, step=2) == 2
     for step in range(2, 4):
         train_step(*resumed, step)
