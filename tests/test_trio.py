@@ -197,7 +197,14 @@ def assert_resumed_cleanly(run_dir, resume_step: int) -> None:
 
 @pytest.mark.parametrize(
     "victim, marker",
-    [("trainer", "-m trainer.rl"), ("orchestrator", "-m orchestrator.main"), ("inference", "vllm.entrypoints.openai.api_server")],
+    [
+        ("trainer", "-m trainer.rl"),
+        # The same resume from the same checkpoint after another victim: slow-marked to keep
+        # the default suite near 15 minutes (the launcher's stop-the-others rule for any
+        # process is tests/test_launcher.py's); `bash scripts/test.sh -m slow` runs them.
+        pytest.param("orchestrator", "-m orchestrator.main", marks=pytest.mark.slow),
+        pytest.param("inference", "vllm.entrypoints.openai.api_server", marks=pytest.mark.slow),
+    ],
     ids=["trainer", "orchestrator", "inference"],
 )
 def test_a_killed_process_stops_the_run_and_the_run_resumes(tmp_path, tiny_model, victim, marker):

@@ -100,7 +100,9 @@ class Metrics:
 
     def log(self, step: int, values: dict[str, Any], process: str | None = None) -> None:
         """One row; ``process`` labels rows of another kind (e.g. `eval`) than the process's own."""
-        row = {"process": process or self.process, "step": step, "time": round(time.time() - self._start, 3), **values}
+        now = time.time()
+        # `time`: seconds since this process started; `wall`: Unix time, to line processes up
+        row = {"process": process or self.process, "step": step, "time": round(now - self._start, 3), "wall": round(now, 3), **values}
         for sink in list(self.sinks):
             try:
                 sink.log(row)
