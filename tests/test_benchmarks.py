@@ -1,0 +1,72 @@
+"""benchmarks.run's arithmetic on hand-made curves, its RESULTS.md, and (slow) a --quick run."""
+
+import importlib.util
+import json
+import subprocess
+import sys
+
+import pytest
+from helpers import REPO
+
+from benchmarks import run as bench
+
+
+def curve(system, times, rewards, wall=100.0):
+    return bench.Curve(system, times, rewards, wall)
+
+
+MODE = bench.Mode(steps=6, repeats=1, targets=(0.5,), budget_s=25.0)
+
+
+def test_figures_of_one_curve_by_hand():
+    c = curve("prime-rl", [20, 22, 24, 27, 29, 31], [0.1, 0.3, 0.5, 0.7, 0.9, 0.9])
+    f = bench.figures(c, MODE)
+    # trailing 5-step means: 0.1, 0.2, 0.3, 0.4, 0.5, 0.66 -> first >= 0.5 at step 4 (t = 29)
+    assert f["time_to_0.5_s"] == 29
+    assert f["startup_s"] == 20 and f["wall_s"] == 100.0
+    assert f["s_per_step"] == 2  # gaps after step 1: 2, 3, 2, 2 -> median 2
+    assert f["reward_at_budget"] == pytest.approx(0.3)  # the 5-step mean at t = 24, the last step <= 25 s
+    assert f["reward_first5"] == pytest.approx(0.5) and f["reward_last5"] == pytest.approx(0.66)
+    never = bench.figures(curve("trl", [30, 31, 32], [0.1, 0.1, 0.1]), MODE)
+    assert never["time_to_0.5_s"] is None and never["reward_at_budget"] is None
+
+
+def test_summary_takes_medians_over_repeats_and_ratios_of_medians():
+    curves = {
+        "prime-rl": [curve("prime-rl", [10, 11, 12, 13], [0.6] * 4, wall=40), curve("prime-rl", [12, 13, 14, 15], [0.6] * 4, wall=44)],
+        "trl": [curve("trl", [5, 7, 9, 11], [0.4] * 4, wall=20), curve("trl", [5, 7, 9, 11], [0.4] * 4, wall=20)],
+    }
+    summary = bench.summarize(curves, MODE)
+    wall = summary["figures"]["prime-rl"]["wall_s"]
+    assert (wall["median"], wall["min"], wall["max"], wall["n"]) == (42, 40, 44, 2)
+    assert summary["ratios"]["wall_s prime-rl/trl"] == pytest.approx(42 / 20)
+    assert summary["ratios"]["s_per_step prime-rl/trl"] == pytest.approx(1 / 2)
+    assert summary["ratios"]["time_to_0.5_s prime-rl/trl"] is None  # the peer never reached it
+
+
+def test_results_md_lists_every_results_file(tmp_path):
+    results = tmp_path / "results"
+    results.mkdir()
+    curves = {"prime-rl": [curve("prime-rl", [10, 11, 12, 13, 14], [0.6] * 5)], "trl": [curve("trl", [5, 6, 7, 8, 9], [0.4] * 5)]}
+    data = {"date": "2026-11-30 12:00", "mode": "quick", "machine": {"cpus": 2}, **bench.summarize(curves, MODE)}
+    (results / "quickstart.json").write_text(json.dumps(data))
+    md = bench.write_results_md(results)
+    assert md == tmp_path / "RESULTS.md"
+    text = md.read_text()
+    assert "## quickstart" in text and "| wall_s | 100 | 100 |" in text and "| time_to_0.5_s | 10 | not reached |" in text
+    assert "| s_per_step prime-rl/trl | 1.00 |" in text and "results/quickstart.png" in text
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="the peer is in the `bench` group: uv sync --group bench")
+def test_quick_benchmark_runs_and_writes_well_formed_results():
+    done = subprocess.run([sys.executable, "-m", "benchmarks.run", "--quick"], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    results = REPO / "outputs" / "bench" / "results"  # a quick run leaves benchmarks/ as committed
+    data = json.loads((results / "quickstart.json").read_text())
+    assert set(data["figures"]) == {"prime-rl", "trl"}
+    for system, runs in data["curves"].items():
+        assert len(runs[0]["rewards"]) == bench.QUICK.steps, system
+        assert runs[0]["times"] == sorted(runs[0]["times"]) and 0 < runs[0]["times"][0] < runs[0]["wall_s"]
+    assert all(isinstance(v, float) for k, v in data["ratios"].items() if "target" not in k)
+    assert (results / "quickstart.png").stat().st_size > 0 and "## quickstart" in (results.parent / "RESULTS.md").read_text()
