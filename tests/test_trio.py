@@ -366,7 +366,11 @@ def test_other_model_families_train_hand_off_and_match_vllm(tmp_path, arch):
     trainer = [r for r in rows if r["process"] == "trainer" and "loss/mismatch_kl" in r]
     assert [r["step"] for r in trainer] == list(range(MAX_STEPS))
     assert trainer[0]["loss/mismatch_kl"] < 1e-3, trainer[0]
-    assert all(r["optim/grad_norm"] > 0 for r in trainer), trainer
+    # Every step with a group of unequal rewards trained (a random model's batch can also
+    # have none: then the update is skipped on purpose, trainer.optim.clip_and_step).
+    zero_adv = {r["step"]: r["batch/zero_adv_groups_frac"] for r in rows if r["process"] == "orchestrator" and "reward/mean" in r}
+    informative = [r for r in trainer if zero_adv[r["step"]] < 1]
+    assert informative and all(r["optim/grad_norm"] > 0 for r in informative), (zero_adv, trainer)
     reloaded = [r["weights/reloaded_step"] for r in rows if r["process"] == "orchestrator" and "weights/reloaded_step" in r]
     assert reloaded, "vLLM never reloaded the trainer's weights"
     handed_off = weights_step_dir(run_dir, MAX_STEPS)
