@@ -126,3 +126,15 @@ def test_export_writes_the_merged_model_or_the_adapter(tiny_model, tmp_path):
     again = prime_rl("export", str(run), "--merge")
     assert again.returncode == 2 and "exists already" in again.stderr
     assert len(again.stderr.strip().splitlines()) == 1, again.stderr
+
+
+def test_export_of_full_fine_tuning_weights_copies_them(tiny_model, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model, optimizer, scheduler = fresh(tiny_model, lora=None)
+    train_step(model, optimizer, scheduler, 0)
+    save_weights(model, tmp_path / "run", step=1, keep_last=1, source_model_dir=tiny_model)
+    done = prime_rl("export", str(tmp_path / "run"), "--merge", "--output", str(tmp_path / "out"))
+    assert done.returncode == 0 and "need no merge" in done.stdout, done.stderr
+    assert not (tmp_path / "out" / MARKER).exists() and (tmp_path / "out" / "tokenizer.json").is_file()
+    torch.testing.assert_close(logits(AutoModelForCausalLM.from_pretrained(tmp_path / "out")), logits(model))
