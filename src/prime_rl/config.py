@@ -702,7 +702,6 @@ class RLConfig(StrictModel):
             )
         return self
 
-
     def _lora(self) -> None:
         """`[trainer.lora]` turns on adapter serving in inference and adapter loading in the
         orchestrator; either one set without the trainer training adapters is a mistake."""

@@ -54,17 +54,16 @@ def export(weights: Path, output: Path, merge: bool, base: str | None = None) ->
         if not is_adapter_folder(weights):
             shutil.copytree(weights, tmp, dirs_exist_ok=True, ignore=shutil.ignore_patterns(MARKER))
             kind = "full model (copied; full fine-tuning weights need no merge)"
+        elif merge:
+            base_model = adapter_base(weights, base)
+            model = merged_model(weights, base_model)
+            write_hf_folder(model, model.state_dict(), tmp, base_model if Path(base_model).is_dir() else None)
+            kind = f"merged model (base {base_model} + adapter)"
         else:
             base_model = adapter_base(weights, base)
-            if merge:
-                model = merged_model(weights, base_model)
-                source = Path(base_model) if Path(base_model).is_dir() else None
-                write_hf_folder(model, model.state_dict(), tmp, source)
-                kind = f"merged model (base {base_model} + adapter)"
-            else:
-                shutil.copytree(weights, tmp, dirs_exist_ok=True, ignore=shutil.ignore_patterns(MARKER))
-                copy_tokenizer_files(Path(base_model), tmp)
-                kind = f"LoRA adapter (PEFT format, base {base_model})"
+            shutil.copytree(weights, tmp, dirs_exist_ok=True, ignore=shutil.ignore_patterns(MARKER))
+            copy_tokenizer_files(Path(base_model), tmp)
+            kind = f"LoRA adapter (PEFT format, base {base_model})"
         tmp.rename(output)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
