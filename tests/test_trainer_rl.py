@@ -349,10 +349,11 @@ def test_the_loss_mean_skips_samples_without_advantage_by_default():
     from trainer.rl import loss_token_count
 
     loss_mask = torch.tensor([[0, 0, 1, 1, 1], [0, 1, 1, 1, 1], [0, 0, 0, 1, 1]]).bool()  # 3, 4, 2 loss tokens
+    ids = torch.zeros(3, 5, dtype=torch.long)
     mt = MicroTensors(
-        input_ids=torch.zeros(3, 5, dtype=torch.long), attention_mask=torch.ones(3, 5, dtype=torch.long),
-        loss_mask=loss_mask, inference_logprobs=torch.zeros(3, 5), advantages=torch.tensor([0.5, 0.0, -0.5]),
-        num_truncated=0,
+        input_ids=ids, attention_mask=torch.ones_like(ids), loss_mask=loss_mask, inference_logprobs=torch.zeros(3, 5),
+        advantages=torch.tensor([0.5, 0.0, -0.5]), num_truncated=0, model_ids=ids, model_positions=ids,
+        model_mask=torch.ones_like(ids), source=ids, num_model_tokens=15,
     )
     assert LossConfig().denominator == "informative"
     assert loss_token_count(mt, "informative") == 3 + 2

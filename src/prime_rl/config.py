@@ -371,6 +371,11 @@ class TrainerConfig(StrictModel):
     num_threads: int = Field(1, ge=1)
     """torch intra-op threads (one per process is fastest when processes share cores)."""
 
+    share_prefix: bool = True
+    """Run the prompt a group's rollouts share once, not once per rollout (`trainer.packing`;
+    same logprobs and gradients to float rounding). Off by itself for models whose attention
+    takes no custom mask or that have sliding-window layers."""
+
     max_nonfinite_steps: int = Field(3, ge=1)
     """A step with a non-finite loss or gradient is skipped; this many in a row stop the run."""
 

@@ -18,6 +18,7 @@ import zmq
 
 from prime_rl.config import TransportConfig
 from prime_rl.wire import MicroBatch, TrainBatch, WireError, decode_batch, sample_arrays
+from trainer.packing import attention_allowed, lay_out, plan_rows
 
 
 def _log(msg: str) -> None:
@@ -74,7 +75,13 @@ class BatchReceiver:
 
 @dataclass
 class MicroTensors:
-    """One micro-batch, right-padded to its longest sample. B samples, T positions."""
+    """One micro-batch: B samples right-padded to T positions, and the rows the model runs.
+
+    The model rows are the samples themselves (right-padded, ``model_mask`` [R, L] 1 on real
+    tokens) or, with shared prefixes, fewer and longer rows (``model_mask`` [R, 1, L, L]
+    bool, query by key; see ``trainer.packing``). ``source`` maps each sample position to
+    the model position that holds its token, so the logits there score the next one.
+    """
 
     input_ids: torch.Tensor  # [B, T] int64, pad_id after each sample's end
     attention_mask: torch.Tensor  # [B, T] int64, 1 on real tokens
@@ -82,6 +89,11 @@ class MicroTensors:
     inference_logprobs: torch.Tensor  # [B, T] float32, logprob of token t when sampled
     advantages: torch.Tensor  # [B] float32
     num_truncated: int  # samples cut to seq_len
+    model_ids: torch.Tensor  # [R, L] int64
+    model_positions: torch.Tensor  # [R, L] int64
+    model_mask: torch.Tensor  # [R, L] int64, or [R, 1, L, L] bool with shared prefixes
+    source: torch.Tensor  # [B, T] int64, flat index into R * L
+    num_model_tokens: int  # tokens the model computes (a shared prefix once), padding excluded
 
     @property
     def num_real_tokens(self) -> int:
@@ -96,15 +108,28 @@ def right_pad(rows: list[np.ndarray], fill, dtype) -> np.ndarray:
     return out
 
 
-def collate(micro: MicroBatch, seq_len: int, pad_id: int, device: torch.device) -> MicroTensors:
-    """Right-pad a micro-batch's samples into tensors; samples longer than seq_len are cut."""
+def collate(micro: MicroBatch, seq_len: int, pad_id: int, device: torch.device, share_prefix: bool = False) -> MicroTensors:
+    """Right-pad a micro-batch's samples into tensors (samples longer than seq_len are cut),
+    and lay out the model rows: one per sample, or shared prefixes where they pay
+    (``share_prefix``, ``trainer.packing``)."""
     arrays = [sample_arrays(s) for s in micro.samples]
     ids, masks, logprobs = ([a[i][:seq_len] for a in arrays] for i in range(3))
+    layout = lay_out(ids, plan_rows(ids, masks, share_prefix), pad_id)
+    model_mask = attention_allowed(layout.segments) if layout.shared else (layout.segments >= 0).astype(np.int64)
+
+    def tensor(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(a).to(device)
+
     return MicroTensors(
-        input_ids=torch.from_numpy(right_pad(ids, pad_id, np.int64)).to(device),
-        attention_mask=torch.from_numpy(right_pad([np.ones(len(r)) for r in ids], 0, np.int64)).to(device),
-        loss_mask=torch.from_numpy(right_pad(masks, False, bool)).to(device),
-        inference_logprobs=torch.from_numpy(right_pad(logprobs, 0.0, np.float32)).to(device),
+        input_ids=tensor(right_pad(ids, pad_id, np.int64)),
+        attention_mask=tensor(right_pad([np.ones(len(r)) for r in ids], 0, np.int64)),
+        loss_mask=tensor(right_pad(masks, False, bool)),
+        inference_logprobs=tensor(right_pad(logprobs, 0.0, np.float32)),
         advantages=torch.tensor([s.advantage for s in micro.samples], dtype=torch.float32, device=device),
         num_truncated=sum(len(a[0]) > seq_len for a in arrays),
+        model_ids=tensor(layout.ids),
+        model_positions=tensor(layout.positions),
+        model_mask=tensor(model_mask),
+        source=tensor(layout.source),
+        num_model_tokens=int((layout.segments >= 0).sum()),
     )

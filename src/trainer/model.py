@@ -98,12 +98,35 @@ def shard_model(model: nn.Module) -> None:
     fully_shard(model)
 
 
-def forward_logits(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """[B, T] right-padded ids -> logits [B, T, V].
+def forward_logits(
+    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor | None = None
+) -> torch.Tensor:
+    """[R, L] ids -> logits [R, L, V].
 
-    Position ids are explicit (0..len-1 for real tokens) so a sample's logits do not depend
-    on how it is padded; pad positions repeat the last position and their logits are never used.
+    ``attention_mask`` is [R, L] (1 on real tokens of right-padded rows) or [R, 1, L, L]
+    bool (query by key, for shared-prefix rows; passed to the attention as an additive
+    bias). Position ids default to 0..len-1 over real tokens, so a sample's logits do not
+    depend on how it is padded; pad positions' logits are never used.
     """
-    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    if position_ids is None:
+        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    if attention_mask.dim() == 4:
+        dtype = model.get_input_embeddings().weight.dtype
+        attention_mask = torch.zeros(attention_mask.shape, dtype=dtype, device=attention_mask.device).masked_fill(
+            ~attention_mask, torch.finfo(dtype).min
+        )
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
     return out.logits
+
+
+def shared_prefix_support(model: nn.Module) -> str | None:
+    """Why this model cannot run shared-prefix rows (``trainer.packing``), or None if it can:
+    they need an attention that takes an arbitrary mask and no sliding-window layers."""
+    config = model.config
+    attn = getattr(config, "_attn_implementation", None)
+    if attn not in ("sdpa", "eager"):
+        return f"attention implementation {attn!r} takes no custom mask (sdpa or eager do)"
+    layer_types = getattr(config, "layer_types", None) or []
+    if getattr(config, "use_sliding_window", False) or any(t != "full_attention" for t in layer_types):
+        return "the model has sliding-window layers"
+    return None

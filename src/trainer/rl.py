@@ -27,8 +27,8 @@ from prime_rl.settings import run_process
 from prime_rl.wire import TrainBatch
 from trainer.ckpt import checkpoint_due, load_checkpoint, save_checkpoint
 from trainer.data import BatchReceiver, MicroTensors, collate
-from trainer.loss import entropy_from_logits, policy_loss, token_logprobs
-from trainer.model import World, forward_logits, load_model, setup_world, teardown_world
+from trainer.loss import entropy_from_logits, policy_loss, scored_logprobs
+from trainer.model import World, forward_logits, load_model, setup_world, shared_prefix_support, teardown_world
 from trainer.optim import build_optimizer, clip_and_step
 from trainer.weights import save_weights
 
@@ -39,7 +39,7 @@ CONSOLE_KEYS = (
 # Per-step sums reduced over micro-batches and ranks, in this order (one all-reduce).
 SUM_KEYS = (
     "loss_sum", "loss_tokens", "masked_tokens", "ratio_sum", "mismatch_kl_sum",
-    "entropy_sum", "samples", "tokens", "truncated",
+    "entropy_sum", "samples", "tokens", "model_tokens", "truncated",
 )
 
 
@@ -52,6 +52,8 @@ def train(cfg: TrainerConfig) -> None:
     world = setup_world(cfg.num_threads)
     torch.manual_seed(cfg.seed)
     model = load_model(cfg.model, world, cfg.lora)
+    if cfg.share_prefix and (reason := shared_prefix_support(model)) and world.is_main:
+        log(f"shared prefixes off: {reason}; every sample gets a row of its own (trainer.share_prefix)")
     optimizer, scheduler = build_optimizer(model, cfg.optim)
     metrics = (
         make_metrics("trainer", cfg.output_dir, CONSOLE_KEYS, cfg.wandb, cfg.model_dump(mode="json"))
@@ -126,7 +128,8 @@ def train_step(
 ) -> dict[str, float]:
     """Forward/backward every micro-batch, then clip and step. Returns step-wide stats."""
     pad_id = getattr(model.config, "pad_token_id", None) or 0
-    micros = [collate(m, cfg.seq_len, pad_id, world.device) for m in batch.micro_batches]
+    share_prefix = cfg.share_prefix and shared_prefix_support(model) is None
+    micros = [collate(m, cfg.seq_len, pad_id, world.device, share_prefix) for m in batch.micro_batches]
     # Step-wide normalisers, identical on every rank. Position 0 is never scored (no prefix).
     local_tokens = sum(loss_token_count(m, cfg.loss.denominator) for m in micros)
     num_tokens = max(1, int(all_reduce(scalar(local_tokens, world), dist.ReduceOp.SUM)))
@@ -160,12 +163,12 @@ def micro_step(
     model: nn.Module, mt: MicroTensors, temperature: float, loss_cfg: LossConfig, num_tokens: int, world_size: int
 ) -> torch.Tensor:
     """Forward + backward one micro-batch; returns its SUM_KEYS vector (detached)."""
-    logits = forward_logits(model, mt.input_ids, mt.attention_mask)  # [B, T, V]
-    trainer_lp = token_logprobs(logits, mt.input_ids, temperature)  # [B, T-1], scores tokens 1..T-1
-    # Align the inference side the same way: position t of these scores token t+1.
+    logits = forward_logits(model, mt.model_ids, mt.model_mask, mt.model_positions)  # [R, L, V]
+    # Position t of these scores token t+1 of each sample, on the inference side too.
     inference_lp, loss_mask = mt.inference_logprobs[:, 1:], mt.loss_mask[:, 1:]
+    trainer_lp, scoring = scored_logprobs(logits, mt.source, mt.input_ids, loss_mask, temperature)  # [B, T-1]
     loss, stats = policy_loss(trainer_lp, inference_lp, mt.advantages, loss_mask, loss_cfg, num_tokens)
-    entropy = entropy_from_logits(logits[:, :-1][loss_mask], temperature)  # [N loss tokens], no grad
+    entropy = entropy_from_logits(scoring)  # [N loss tokens], no grad; already divided by temperature
     # FSDP averages gradients over ranks; the loss is already a global token mean, so undo it.
     (loss * world_size).backward()
     values = {
@@ -174,6 +177,7 @@ def micro_step(
         "entropy_sum": entropy.sum(),
         "samples": torch.tensor(float(mt.input_ids.shape[0])),
         "tokens": torch.tensor(float(mt.num_real_tokens)),
+        "model_tokens": torch.tensor(float(mt.num_model_tokens)),
         "truncated": torch.tensor(float(mt.num_truncated)),
     }
     return torch.stack([values[k].double().to(mt.input_ids.device) for k in SUM_KEYS])
@@ -210,6 +214,7 @@ def step_metrics(s: dict[str, float], timings: dict[str, float], step: int) -> d
         "optim/grad_norm": s["grad_norm"],
         "optim/lr": s["lr"],
         "perf/tokens_per_s": s["tokens"] / max(timings["train"], 1e-9),
+        "perf/model_tokens": int(s["model_tokens"]),
         "perf/samples": int(s["samples"]),
         "perf/loss_tokens": int(s["loss_tokens"]),
         "perf/truncated": int(s["truncated"]),
