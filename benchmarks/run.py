@@ -33,6 +33,8 @@ from dataclasses import asdict, dataclass
 from importlib.metadata import version
 from pathlib import Path
 
+from benchmarks.profile import CpuSampler, run_profile
+
 REPO = Path(__file__).resolve().parents[1]
 WORK = REPO / "outputs" / "bench"
 RESULTS = REPO / "benchmarks" / "results"
@@ -62,6 +64,8 @@ class Curve:
     times: list[float]
     rewards: list[float]
     wall_s: float
+    profile: dict[str, float | None] | None = None
+    """prime-rl only: where the time went (``benchmarks.profile.run_profile``)."""
 
 
 # --------------------------------------------------------------------------- the model both start from
@@ -99,13 +103,17 @@ def run_prime_rl(model: Path, out: Path, steps: int) -> Curve:
            "--output-dir", str(out), "--max-steps", str(steps), "--clean", "--no-tmux",
            "--inference.port", str(free_port()), "--transport.port", str(free_port())]
     t0 = time.time()
-    run(cmd, stdout=subprocess.DEVNULL)
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL)
+    with CpuSampler(proc.pid, t0) as cpu:
+        if proc.wait() != 0:
+            raise subprocess.CalledProcessError(proc.returncode, cmd)
     wall = time.time() - t0
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     steps_rows = [r for r in rows if r["process"] == "orchestrator" and "reward/mean" in r]
     # the trainer's row marks the end of a step's training; the reward is the batch's
     trained = {r["step"]: r["wall"] - t0 for r in rows if r["process"] == "trainer"}
-    return Curve("prime-rl", [trained[r["step"]] for r in steps_rows], [r["reward/mean"] for r in steps_rows], wall)
+    return Curve("prime-rl", [trained[r["step"]] for r in steps_rows], [r["reward/mean"] for r in steps_rows], wall,
+                 run_profile(rows, t0, cpu.samples))
 
 
 def run_trl(model: Path, out: Path, steps: int) -> Curve:
@@ -159,7 +167,9 @@ def summarize(curves: dict[str, list[Curve]], mode: Mode) -> dict:
     for key in ("wall_s", "startup_s", "s_per_step", *(f"time_to_{t:g}_s" for t in mode.targets)):
         ours, peer = per_system["prime-rl"][key]["median"], per_system["trl"][key]["median"]
         ratios[f"{key} prime-rl/trl"] = ours / peer if ours is not None and peer else None
-    return {"figures": per_system, "ratios": ratios}
+    profiles = [c.profile for c in curves["prime-rl"] if c.profile]
+    profile = {key: spread([p.get(key) for p in profiles]) for key in sorted({k for p in profiles for k in p})}
+    return {"figures": per_system, "ratios": ratios, "profile": profile}
 
 
 # --------------------------------------------------------------------------- output
@@ -218,6 +228,16 @@ def write_results_md(results: Path) -> Path:
             lines.append(f"| {key} | " + " | ".join(cells) + " |")
         lines += ["", "| ratio | value |", "|---|---|"]
         lines += [f"| {k} | {'-' if v is None else f'{v:.2f}'} |" for k, v in data["ratios"].items()]
+        if data.get("profile"):
+            lines += ["", "Where prime-rl's time goes (`benchmarks/profile.py`): seconds per step of each phase, "
+                      "cores busy per process in the steady state, start-up phases in seconds since the command.", "",
+                      "| measure | value |", "|---|---|"]
+            lines += [f"| {k} | {_cell(v)} |" for k, v in data["profile"].items()]
+        if data.get("overheads"):
+            lines += ["", "Overheads against their limits (`benchmarks/overheads.py`, `benchmarks/loadgen.py`; "
+                      "run on the first repeat's recorded batches, each alone on the machine):", "",
+                      "| measure | value |", "|---|---|"]
+            lines += [f"| {k} | {'-' if v is None else f'{v:.3g}'} |" for k, v in data["overheads"].items()]
         lines += ["", f"![reward against wall-clock time](results/{path.stem}.png)", ""]
     out = results.parent / "RESULTS.md"
     out.write_text("\n".join(lines))
@@ -243,6 +263,32 @@ def measure(mode: Mode, repeats: int, started: float) -> dict[str, list[Curve]]:
     return curves
 
 
+def overheads(model: Path, run_dir: Path, profile: dict) -> dict[str, float | None]:
+    """Transport and trainer against their limits on ``run_dir``'s recorded batches, vLLM alone
+    under a plain load generator, and the ratios the issue's targets name (``benchmarks.overheads``,
+    ``benchmarks.loadgen``); each in a process of its own with nothing else running."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    measured = json.loads(subprocess.run(
+        [sys.executable, "-m", "benchmarks.overheads", str(run_dir), str(model)], check=True, cwd=REPO, env=env,
+        capture_output=True, text=True).stdout.strip().splitlines()[-1])
+    vllm_alone = json.loads(subprocess.run(
+        [sys.executable, "-m", "benchmarks.loadgen", str(model), "--rounds", "6"], check=True, cwd=REPO,
+        capture_output=True, text=True).stdout.strip().splitlines()[-1])
+    s_per_step = profile["s_per_step"]["median"]
+    orch_rate = profile["orchestrator/tokens_per_s"]["median"]
+    return {
+        **measured,
+        "vllm_alone/tokens_per_s": vllm_alone["tokens_per_s"],
+        "vllm_alone/s_per_round": vllm_alone["s_per_round"],
+        "vllm_alone/startup_s": vllm_alone["startup_s"],
+        "transport share of step": measured["transport/wire_s"] / s_per_step,
+        "transport / in-process copy": measured["transport/wire_s"] / measured["transport/copy_s"],
+        "handoff share of step": profile["handoff_share"]["median"],
+        "trainer step / bare loop step": measured["trainer/step_alone_s"] / measured["trainer/bare_step_s"],
+        "orchestrator tokens/s / vLLM alone": orch_rate / vllm_alone["tokens_per_s"] if orch_rate else None,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help=f"{QUICK.steps} steps, 1 repeat (a smoke run, minutes)")
@@ -262,11 +308,16 @@ def main(argv: list[str] | None = None) -> int:
         data = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": machine()}
     results.mkdir(parents=True, exist_ok=True)
     targets = ", ".join(f"{t:g}" for t in mode.targets)
+    summary = summarize(curves, mode)
+    if not args.resummarize:
+        data["overheads"] = overheads(WORK / "model" / "sft", WORK / "prime-rl-0", summary["profile"])
+        print(f"[bench] overheads measured ({time.time() - started:.0f} s)", flush=True)
     data = {
         "date": data["date"],
         "mode": f"{'quick' if args.quick else 'full'}: {mode.steps} steps, {repeats} repeat(s), targets {targets}, budget {mode.budget_s:g} s",
         "machine": data["machine"],
-        **summarize(curves, mode),
+        **summary,
+        "overheads": data.get("overheads", {}),
         "curves": {system: [asdict(c) for c in runs] for system, runs in curves.items()},
     }
     (results / f"{name}.json").write_text(json.dumps(data, indent=1))

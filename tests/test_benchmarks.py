@@ -57,6 +57,32 @@ def test_results_md_lists_every_results_file(tmp_path):
     assert "| s_per_step prime-rl/trl | 1.00 |" in text and "results/quickstart.png" in text
 
 
+def test_profile_of_hand_made_metrics_rows():
+    from benchmarks.profile import cores_between, run_profile
+
+    t0 = 1000.0
+    trainer = [  # step 0 waited 40 s for its batch (start-up), then steps every 2 s
+        {"process": "trainer", "step": 0, "wall": t0 + 50, "time/step": 45, "time/wait_batch": 40, "time/train": 4, "time/save_weights": 0.1},
+        *({"process": "trainer", "step": i, "wall": t0 + 50 + 2 * i, "time/step": 2, "time/wait_batch": 0.5,
+           "time/train": 1.4, "time/save_weights": 0.1} for i in (1, 2, 3)),
+    ]
+    orch = [{"process": "orchestrator", "step": i, "reward/mean": 0.5, "time/step": 2.0, "time/generate": 1.5,
+             "time/wait_weights": 0.2, "time/reload": 0.1, "perf/tokens_per_s": 1000.0} for i in range(4)]
+    orch[0]["startup/server_ready_unix"] = t0 + 35
+    samples = [(50.0, {"trainer": 10.0, "vllm_worker": 20.0}), (52.0, {"trainer": 11.0, "vllm_worker": 22.0}),
+               (56.0, {"trainer": 13.0, "vllm_worker": 26.0})]
+    assert cores_between(samples, 52, 56) == {"trainer": 0.5, "vllm_worker": 1.0}
+    p = run_profile(trainer + orch, t0, samples)
+    assert p["startup/inference_ready_s"] == 35
+    assert p["startup/trainer_ready_s"] == 5  # 50 - 45: it then waited 40 s
+    assert p["startup/first_batch_s"] == 45 and p["startup/first_step_s"] == 50
+    assert p["s_per_step"] == 2  # walls 52 -> 56 over 2 steps
+    assert p["trainer/train_s"] == 1.4 and p["trainer/wait_batch_s"] == 0.5
+    assert p["orchestrator/rest_s"] == pytest.approx(0.2) and p["orchestrator/tokens_per_s"] == 1000
+    assert p["handoff_share"] == pytest.approx((0.1 + 0.1) / 2)
+    assert p["cores/trainer"] == 0.5 and p["cores/vllm_worker"] == 1.0
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="the peer is in the `bench` group: uv sync --group bench")
 def test_quick_benchmark_runs_and_writes_well_formed_results():
@@ -69,4 +95,10 @@ def test_quick_benchmark_runs_and_writes_well_formed_results():
         assert len(runs[0]["rewards"]) == bench.QUICK.steps, system
         assert runs[0]["times"] == sorted(runs[0]["times"]) and 0 < runs[0]["times"][0] < runs[0]["wall_s"]
     assert all(isinstance(v, float) for k, v in data["ratios"].items() if "target" not in k)
+    profile = data["profile"]
+    assert {"cores/trainer", "cores/vllm_worker", "startup/inference_ready_s", "handoff_share"} <= set(profile)
+    assert 0 < profile["startup/inference_ready_s"]["median"] < profile["startup/first_step_s"]["median"]
+    overheads = data["overheads"]
+    for key in ("transport share of step", "trainer step / bare loop step", "orchestrator tokens/s / vLLM alone"):
+        assert isinstance(overheads[key], float) and overheads[key] > 0, key
     assert (results / "quickstart.png").stat().st_size > 0 and "## quickstart" in (results.parent / "RESULTS.md").read_text()

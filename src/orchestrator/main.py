@@ -246,6 +246,7 @@ async def run(cfg: OrchestratorConfig, envs: list[tuple[str, Environment]], toke
         if cfg.ckpt.resume_step is not None:
             start, version = resume(cfg, data, order, sender, metrics)
         await client.wait_healthy(cfg.client.startup_timeout_s)
+        startup_row = {"startup/server_ready_unix": time.time()}  # in the first step's row (benchmarks.run reads it)
         if version > 0 and cfg.lora_adapter is not None:  # LoRA: inference serves the base; load the adapter
             await client.reload_weights(weights_step_dir(cfg.output_dir, version))
         if start == 0 and cfg.preflight.enabled:
@@ -284,6 +285,8 @@ async def run(cfg: OrchestratorConfig, envs: list[tuple[str, Environment]], toke
             frames = [encode_batch(batch) for batch in batches]
             row = step_metrics(step, items, sync, cfg, generate_s, time.perf_counter() - step_start, client.retries)
             row.update(filter_row)
+            row.update(startup_row)
+            startup_row = {}
             if record_progress:
                 versions = [item.policy_version for item in items]
                 record = StepRecord(step, frames, cursor_before, order.state_dict(), picks, min(versions), max(versions), data, row)
