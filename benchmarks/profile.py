@@ -114,7 +114,7 @@ def run_profile(rows: list[dict], t0: float, samples: list[tuple[float, dict[str
         out["startup/first_step_s"] = first["wall"] - t0
     if len(trainer) > 2:
         span = trainer[-1]["wall"] - trainer[1]["wall"]
-        s_per_step = out["s_per_step"] = span / (len(trainer) - 2)
+        s_per_step = out["mean_s_per_step"] = span / (len(trainer) - 2)
         handoff = (out["trainer/save_weights_s"] or 0.0) + (out["orchestrator/reload_s"] or 0.0)
         out["handoff_share"] = handoff / s_per_step if s_per_step > 0 else None
         for name, cores in cores_between(samples, trainer[1]["wall"] - t0, trainer[-1]["wall"] - t0).items():

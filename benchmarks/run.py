@@ -274,7 +274,7 @@ def overheads(model: Path, run_dir: Path, profile: dict) -> dict[str, float | No
     vllm_alone = json.loads(subprocess.run(
         [sys.executable, "-m", "benchmarks.loadgen", str(model), "--rounds", "6"], check=True, cwd=REPO,
         capture_output=True, text=True).stdout.strip().splitlines()[-1])
-    s_per_step = profile["s_per_step"]["median"]
+    s_per_step = profile["mean_s_per_step"]["median"]
     orch_rate = profile["orchestrator/tokens_per_s"]["median"]
     return {
         **measured,

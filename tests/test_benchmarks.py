@@ -76,7 +76,7 @@ def test_profile_of_hand_made_metrics_rows():
     assert p["startup/inference_ready_s"] == 35
     assert p["startup/trainer_ready_s"] == 5  # 50 - 45: it then waited 40 s
     assert p["startup/first_batch_s"] == 45 and p["startup/first_step_s"] == 50
-    assert p["s_per_step"] == 2  # walls 52 -> 56 over 2 steps
+    assert p["mean_s_per_step"] == 2  # walls 52 -> 56 over 2 steps
     assert p["trainer/train_s"] == 1.4 and p["trainer/wait_batch_s"] == 0.5
     assert p["orchestrator/rest_s"] == pytest.approx(0.2) and p["orchestrator/tokens_per_s"] == 1000
     assert p["handoff_share"] == pytest.approx((0.1 + 0.1) / 2)
