@@ -7,6 +7,7 @@ import time
 import pytest
 from prime_rl.config import ClientConfig
 
+import orchestrator.client as client_module
 from orchestrator.client import InferenceClient, InferenceError, parse_completion_choices
 from orchestrator.fake_inference import IM_END, LOGPROB, FakeInferenceServer, encode_chat
 
@@ -89,21 +90,53 @@ def test_concurrency_is_capped():
     assert len(results) == 8 and state["peak"] <= 2
 
 
-def test_reload_weights_makes_the_four_calls_in_order(tmp_path):
+def test_reload_weights_between_requests_reloads_and_resets_the_prefix_cache(tmp_path):
     with FakeInferenceServer() as server:
         run_with_client(server, lambda c: c.reload_weights(tmp_path / "weights" / "step_3"))
-    assert server.admin_calls() == ["/pause?mode=wait", "/collective_rpc", "/reset_prefix_cache", "/resume"]
-    rpc = server.calls[1][2]
+    # nothing in flight: no pause (vLLM's costs ~25 ms), and so no resume
+    assert server.admin_calls() == ["/collective_rpc", "/reset_prefix_cache"]
+    rpc = server.calls[0][2]
     assert rpc == {
         "method": "reload_weights",
         "kwargs": {"weights_path": str((tmp_path / "weights" / "step_3").resolve())},
     }
 
 
+def test_reload_weights_with_a_request_in_flight_drains_it_first(tmp_path):
+    """A generation request still running: pause (it finishes on the old weights), reload,
+    reset the prefix cache, resume: the four calls in that order."""
+
+    def slow(messages, index):
+        time.sleep(0.3)
+        return "x"
+
+    async def reload_while_generating(client):
+        request = asyncio.ensure_future(complete(client, max_tokens=4, temperature=1.0))
+        await asyncio.sleep(0.1)  # the request is at the server
+        await client.reload_weights(tmp_path)
+        return await request
+
+    with FakeInferenceServer(responder=slow) as server:
+        run_with_client(server, reload_while_generating)
+    assert server.admin_calls() == ["/pause?mode=wait", "/collective_rpc", "/reset_prefix_cache", "/resume"]
+
+
 def test_failed_reload_names_the_call_and_still_resumes(tmp_path):
-    with FakeInferenceServer(fail={"/collective_rpc": 500}) as server:
+    def slow(messages, index):
+        time.sleep(0.5)
+        return "x"
+
+    async def reload_while_generating(client):
+        request = asyncio.ensure_future(complete(client, max_tokens=4, temperature=1.0))
+        await asyncio.sleep(0.1)
+        try:
+            await client.reload_weights(tmp_path)
+        finally:
+            await request
+
+    with FakeInferenceServer(fail={"/collective_rpc": 500}, responder=slow) as server:
         with pytest.raises(InferenceError, match=r"/collective_rpc answered status 500"):
-            run_with_client(server, lambda c: c.reload_weights(tmp_path), max_retries=1, retry_backoff_s=0.01)
+            run_with_client(server, reload_while_generating, max_retries=1, retry_backoff_s=0.01)
     # a 500 is retried once (max_retries=1), then the server is resumed and the error raised
     assert server.admin_calls() == ["/pause?mode=wait", "/collective_rpc", "/collective_rpc", "/resume"]
 
@@ -113,7 +146,7 @@ def test_a_reload_that_times_out_is_not_sent_again(tmp_path):
     with FakeInferenceServer(delay={"/collective_rpc": 1.0}) as server:
         with pytest.raises(InferenceError, match=r"/collective_rpc: no answer within 0.3 s \(not sent again"):
             run_with_client(server, lambda c: c.reload_weights(tmp_path), timeout_s=0.3, max_retries=3, retry_backoff_s=0.01)
-    assert server.admin_calls() == ["/pause?mode=wait", "/collective_rpc", "/resume"]
+    assert server.admin_calls() == ["/collective_rpc"]
 
 
 def test_prefix_cache_reset_that_keeps_failing_is_an_error(tmp_path, monkeypatch):
@@ -129,7 +162,7 @@ def test_prefix_cache_reset_that_keeps_failing_is_an_error(tmp_path, monkeypatch
     with NoReset() as server:
         with pytest.raises(InferenceError, match="reset_prefix_cache kept answering success=false"):
             run_with_client(server, lambda c: c.reload_weights(tmp_path))
-    assert server.admin_calls()[-1] == "/resume"
+    assert server.admin_calls() == ["/collective_rpc"] + ["/reset_prefix_cache"] * client_module._RESET_RETRIES
 
 
 def test_wait_healthy():
