@@ -14,13 +14,13 @@ Each figure is the median over the recorded steps.
 from __future__ import annotations
 
 import copy
-import socket
 import statistics
 import time
 from pathlib import Path
 
 import torch
 
+from benchmarks.loadgen import free_port
 from prime_rl.wire import TrainBatch, decode_batch
 
 
@@ -28,12 +28,6 @@ def recorded_batches(run_dir: Path, limit: int) -> list[tuple[int, bytes]]:
     """(step, rank-0 frame) of up to ``limit`` recorded steps, in step order."""
     steps = sorted((int(d.name.split("_")[1]), d) for d in (run_dir / "rollouts").glob("step_*") if (d / "rank_0.msgpack").is_file())
     return [(step, (d / "rank_0.msgpack").read_bytes()) for step, d in steps[:limit]]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def transport(frames: list[tuple[int, bytes]]) -> dict[str, float]:

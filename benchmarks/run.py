@@ -7,7 +7,7 @@ the same task, group and batch sizes and optimizer (`configs/reverse-text/rl.tom
 peer's setup is `benchmarks/trl_grpo.py`), one after the other on this machine. Per
 system and repeat it records each step's mean reward and its time since the command
 started, and derives: wall time, start-up (command to the end of the first step), seconds
-per step after start-up, the time to each target reward (first 5-step mean at or above
+per step after start-up (mean), the time to each target reward (first 5-step mean at or above
 it), the reward at a fixed wall-clock budget, and the reward of the first and last 5 steps. Each figure is the
 median over repeats (with min and max); each ratio is this project's over the peer's.
 
@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import sys
@@ -33,6 +32,8 @@ from dataclasses import asdict, dataclass
 from importlib.metadata import version
 from pathlib import Path
 
+from benchmarks import async_gain
+from benchmarks.loadgen import free_port
 from benchmarks.profile import CpuSampler, run_profile
 
 REPO = Path(__file__).resolve().parents[1]
@@ -91,12 +92,6 @@ def prepare_model(root: Path) -> Path:
 # --------------------------------------------------------------------------- the two systems
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_prime_rl(model: Path, out: Path, steps: int) -> Curve:
     """`prime-rl configs/reverse-text/rl.toml` on ``model`` for ``steps`` steps, headless."""
     cmd = [sys.executable, "-m", "prime_rl.cli", "configs/reverse-text/rl.toml", "--model", str(model),
@@ -139,11 +134,13 @@ def figures(curve: Curve, mode: Mode) -> dict[str, float | None]:
     smooth = mean5(curve.rewards)
     reached = {target: [t for t, r in zip(curve.times, smooth) if r >= target] for target in mode.targets}
     before_budget = [r for t, r in zip(curve.times, smooth) if t <= mode.budget_s]
-    after_first = [b - a for a, b in zip(curve.times[1:], curve.times[2:])]  # step 0 carries start-up
+    # mean after step 1 (step 0 carries start-up); not a median of gaps, which an async run's
+    # back-to-back steps on queued batches would pull down
+    steps_after_first = len(curve.times) - 2
     return {
         "wall_s": curve.wall_s,
         "startup_s": curve.times[0],
-        "s_per_step": statistics.median(after_first) if after_first else None,
+        "s_per_step": (curve.times[-1] - curve.times[1]) / steps_after_first if steps_after_first > 0 else None,
         **{f"time_to_{target:g}_s": times[0] if times else None for target, times in reached.items()},
         "reward_at_budget": before_budget[-1] if before_budget else None,
         "reward_first5": statistics.fmean(curve.rewards[:5]),
@@ -238,6 +235,13 @@ def write_results_md(results: Path) -> Path:
                       "run on the first repeat's recorded batches, each alone on the machine):", "",
                       "| measure | value |", "|---|---|"]
             lines += [f"| {k} | {'-' if v is None else f'{v:.3g}'} |" for k, v in data["overheads"].items()]
+        if data.get("async_gain"):
+            lines += ["", f"Async gain (`benchmarks/async_gain.py`, {async_gain.STEPS}-step runs): seconds per step at each "
+                      "`async_level`, unpinned and pinned (vLLM's worker on core 0, the rest on core 1), the gain "
+                      "of level 0 over 1 and 2, and the ideal gain from the component times of the unpinned "
+                      "level-0 run (generation, training and handoff taking turns).", "",
+                      "| measure | value |", "|---|---|"]
+            lines += [f"| {k} | {'-' if v is None else f'{v:.3g}'} |" for k, v in data["async_gain"].items()]
         lines += ["", f"![reward against wall-clock time](results/{path.stem}.png)", ""]
     out = results.parent / "RESULTS.md"
     out.write_text("\n".join(lines))
@@ -312,12 +316,15 @@ def main(argv: list[str] | None = None) -> int:
     if not args.resummarize:
         data["overheads"] = overheads(WORK / "model" / "sft", WORK / "prime-rl-0", summary["profile"])
         print(f"[bench] overheads measured ({time.time() - started:.0f} s)", flush=True)
+        if not args.quick:
+            data["async_gain"] = async_gain.sweep(WORK / "model" / "sft", WORK, lambda: (free_port(), free_port()))
     data = {
         "date": data["date"],
         "mode": f"{'quick' if args.quick else 'full'}: {mode.steps} steps, {repeats} repeat(s), targets {targets}, budget {mode.budget_s:g} s",
         "machine": data["machine"],
         **summary,
         "overheads": data.get("overheads", {}),
+        "async_gain": data.get("async_gain", {}),
         "curves": {system: [asdict(c) for c in runs] for system, runs in curves.items()},
     }
     (results / f"{name}.json").write_text(json.dumps(data, indent=1))

@@ -24,7 +24,7 @@ def test_figures_of_one_curve_by_hand():
     # trailing 5-step means: 0.1, 0.2, 0.3, 0.4, 0.5, 0.66 -> first >= 0.5 at step 4 (t = 29)
     assert f["time_to_0.5_s"] == 29
     assert f["startup_s"] == 20 and f["wall_s"] == 100.0
-    assert f["s_per_step"] == 2  # gaps after step 1: 2, 3, 2, 2 -> median 2
+    assert f["s_per_step"] == 2.25  # after step 1: (31 - 22) / 4 steps
     assert f["reward_at_budget"] == pytest.approx(0.3)  # the 5-step mean at t = 24, the last step <= 25 s
     assert f["reward_first5"] == pytest.approx(0.5) and f["reward_last5"] == pytest.approx(0.66)
     never = bench.figures(curve("trl", [30, 31, 32], [0.1, 0.1, 0.1]), MODE)
@@ -40,7 +40,7 @@ def test_summary_takes_medians_over_repeats_and_ratios_of_medians():
     wall = summary["figures"]["prime-rl"]["wall_s"]
     assert (wall["median"], wall["min"], wall["max"], wall["n"]) == (42, 40, 44, 2)
     assert summary["ratios"]["wall_s prime-rl/trl"] == pytest.approx(42 / 20)
-    assert summary["ratios"]["s_per_step prime-rl/trl"] == pytest.approx(1 / 2)
+    assert summary["ratios"]["s_per_step prime-rl/trl"] == pytest.approx(1 / 2)  # (13 - 11) / 2 vs (11 - 7) / 2
     assert summary["ratios"]["time_to_0.5_s prime-rl/trl"] is None  # the peer never reached it
 
 
