@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--n", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-num-seqs", type=int, default=None, help="default: inference.max_num_seqs's, as prime-rl runs")
     parser.add_argument("--vllm-arg", action="append", default=[], help="extra vLLM flag (repeatable)")
     parser.add_argument("--log", type=Path, default=Path("/dev/null"), help="where the server's output goes")
     parser.add_argument("--env", action="append", default=[], help="extra KEY=VALUE for the server (repeatable)")
@@ -107,8 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     from prime_rl.config import InferenceConfig
 
     port = free_port()
-    cfg = InferenceConfig(model=str(args.model), port=port, seq_len=args.seq_len, max_num_seqs=args.max_num_seqs,
-                          extra_args=args.vllm_arg)
+    sizes = {} if args.max_num_seqs is None else {"max_num_seqs": args.max_num_seqs}
+    cfg = InferenceConfig(model=str(args.model), port=port, seq_len=args.seq_len, extra_args=args.vllm_arg, **sizes)
     env = vllm_env(cfg, cpu=True) | dict(kv.split("=", 1) for kv in args.env)
     batch = prompts(args.model, args.groups)
     t0 = time.time()
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
 
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=30)
-    print(json.dumps({"startup_s": round(startup, 2), **result, "max_num_seqs": args.max_num_seqs,
+    print(json.dumps({"startup_s": round(startup, 2), **result, "max_num_seqs": cfg.max_num_seqs,
                       "vllm_args": args.vllm_arg, "env": args.env}))
     return 0
 
