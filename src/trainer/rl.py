@@ -52,8 +52,10 @@ def train(cfg: TrainerConfig) -> None:
     world = setup_world(cfg.num_threads)
     torch.manual_seed(cfg.seed)
     model = load_model(cfg.model, world, cfg.lora)
-    if cfg.share_prefix and (reason := shared_prefix_support(model)) and world.is_main:
-        log(f"shared prefixes off: {reason}; every sample gets a row of its own (trainer.share_prefix)")
+    if cfg.share_prefix and (reason := shared_prefix_support(model)):
+        cfg = cfg.model_copy(update={"share_prefix": False})  # decided once; train_step reads the flag
+        if world.is_main:
+            log(f"shared prefixes off: {reason}; every sample gets a row of its own (trainer.share_prefix)")
     optimizer, scheduler = build_optimizer(model, cfg.optim)
     metrics = (
         make_metrics("trainer", cfg.output_dir, CONSOLE_KEYS, cfg.wandb, cfg.model_dump(mode="json"))
@@ -128,8 +130,7 @@ def train_step(
 ) -> dict[str, float]:
     """Forward/backward every micro-batch, then clip and step. Returns step-wide stats."""
     pad_id = getattr(model.config, "pad_token_id", None) or 0
-    share_prefix = cfg.share_prefix and shared_prefix_support(model) is None
-    micros = [collate(m, cfg.seq_len, pad_id, world.device, share_prefix) for m in batch.micro_batches]
+    micros = [collate(m, cfg.seq_len, pad_id, world.device, cfg.share_prefix) for m in batch.micro_batches]
     # Step-wide normalisers, identical on every rank. Position 0 is never scored (no prefix).
     local_tokens = sum(loss_token_count(m, cfg.loss.denominator) for m in micros)
     num_tokens = max(1, int(all_reduce(scalar(local_tokens, world), dist.ReduceOp.SUM)))
