@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import subprocess
 import sys
 import threading
@@ -26,7 +25,7 @@ from pathlib import Path
 
 import psutil
 
-from benchmarks.profile import role
+from benchmarks.profile import role, run_profile
 
 STEPS = 30
 LEVELS = (0, 1, 2)
@@ -58,21 +57,12 @@ def pin_tree(pid: int, stop: threading.Event) -> None:
         stop.wait(0.2)
 
 
-def seconds_per_step(rows: list[dict]) -> float:
-    """Mean seconds per trainer step after step 1 (step 0 carries start-up). A mean, not a
-    median of gaps: ahead by two steps, the trainer can take queued batches back to back,
-    and short gaps then alternate with long ones."""
-    walls = sorted(r["wall"] for r in rows if r["process"] == "trainer")
-    return (walls[-1] - walls[1]) / (len(walls) - 2)
-
-
-def components(rows: list[dict]) -> dict[str, float]:
-    """Median seconds per step (after step 1) of generation, training and the handoff."""
-    def med(process: str, key: str) -> float:
-        return statistics.median(r[key] for r in rows if r["process"] == process and r["step"] >= 1 and key in r)
-
-    return {"generate": med("orchestrator", "time/generate"), "train": med("trainer", "time/train"),
-            "handoff": med("trainer", "time/save_weights") + med("orchestrator", "time/reload")}
+def components(rows: list[dict]) -> tuple[float, dict[str, float]]:
+    """(mean seconds per step after step 1, median seconds per step of generation, training
+    and the handoff), from the run's profile (``benchmarks.profile.run_profile``)."""
+    p = run_profile(rows, 0.0, [])
+    return p["mean_s_per_step"], {"generate": p["orchestrator/generate_s"], "train": p["trainer/train_s"],
+                                  "handoff": p["trainer/save_weights_s"] + p["orchestrator/reload_s"]}
 
 
 def one_run(model: Path, out: Path, level: int, pinned: bool, ports: tuple[int, int]) -> tuple[float, dict[str, float]]:
@@ -90,7 +80,7 @@ def one_run(model: Path, out: Path, level: int, pinned: bool, ports: tuple[int, 
     finally:
         stop.set()
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return seconds_per_step(rows), components(rows)
+    return components(rows)
 
 
 def sweep(model: Path, work: Path, ports) -> dict[str, float | None]:

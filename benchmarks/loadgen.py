@@ -26,6 +26,8 @@ from pathlib import Path
 import httpx
 import psutil
 
+from benchmarks.profile import role
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -47,12 +49,12 @@ def prompts(model: Path, count: int) -> list[list[int]]:
 
 
 def cpu_seconds(root: psutil.Process) -> dict[str, float]:
-    """CPU seconds so far of the server and each of its children, by process name."""
+    """CPU seconds so far of the server and each of its children, by role (``benchmarks.profile.role``)."""
     out: dict[str, float] = {}
     for proc in [root, *root.children(recursive=True)]:
         try:
             times = proc.cpu_times()
-            name = "api_server" if proc.pid == root.pid else proc.name()
+            name = role(proc) or proc.name()
             out[name] = out.get(name, 0.0) + times.user + times.system
         except psutil.Error:
             pass
