@@ -368,8 +368,9 @@ class TrainerConfig(StrictModel):
     seed: int = 0
     """Random seed."""
 
-    num_threads: int = Field(1, ge=1)
-    """torch intra-op threads (one per process is fastest when processes share cores)."""
+    num_threads: int = Field(2, ge=1)
+    """torch intra-op threads. Two on a 2-core machine: the trainer then uses the core
+    vLLM leaves idle once a step's sampling is done (docs/machine_facts.md)."""
 
     share_prefix: bool = True
     """Run the prompt a group's rollouts share once, not once per rollout (`trainer.packing`;
