@@ -1,26 +1,41 @@
 """Benchmarks, side by side in one invocation: this project against TRL's GRPOTrainer.
 
-    uv run --group bench python -m benchmarks.run [--quick] [--repeats N]
+    uv run --group bench python -m benchmarks.run [--quick] [--repeats N] [--only PARTS]
 
-Regime `quickstart`: the quickstart's SFT'd tiny model on reverse-text, both systems with
-the same task, group and batch sizes and optimizer (`configs/reverse-text/rl.toml`; the
-peer's setup is `benchmarks/trl_grpo.py`), one after the other on this machine. Per
-system and repeat it records each step's mean reward and its time since the command
-started, and derives: wall time, start-up (command to the end of the first step), seconds
-per step after start-up (mean), the time to each target reward (first 5-step mean at or above
-it), the reward at a fixed wall-clock budget, and the reward of the first and last 5 steps. Each figure is the
-median over repeats (with min and max); each ratio is this project's over the peer's.
+Both systems run the same prime-rl config (TRL's side reads it: `benchmarks/trl_grpo.py`),
+from the same SFT'd model, one after the other on this machine. Regimes:
 
-Writes `benchmarks/results/<regime>.json`, regenerates `benchmarks/RESULTS.md` from
+- `quickstart`: the quickstart's 180k-parameter model on reverse-text
+  (`configs/reverse-text/rl.toml`: 256 completions of ~7 tokens a step); with it, where
+  prime-rl's time goes (`benchmarks.profile`), the overheads against their limits
+  (`benchmarks.overheads`, `benchmarks.loadgen`) and, in full runs, the async gain
+  (`benchmarks.async_gain`);
+- `generation-heavy`: a 16M-parameter model on reverse-text strings of 50-150 characters
+  (`benchmarks/configs/generation-heavy.toml`: 32 completions of ~100-170 tokens a step,
+  each as long as its prompt asks).
+
+Per system and repeat it records each step's mean reward, completion tokens and time since
+the command started, and derives: wall time, start-up (command to the end of the first
+step), seconds per step after start-up (mean), the time to each target reward (first
+5-step mean at or above it), the reward at a fixed wall-clock budget, and the reward of
+the first and last 5 steps. Each figure is the median over repeats (with min and max);
+each ratio is this project's over the peer's.
+
+Part `scaling`: seconds per step of both systems as the group size (4 to 32) and the
+completion length (16 to 256 tokens) grow, short runs of the quickstart's config on its
+untrained base model.
+
+Writes `benchmarks/results/<part>.json`, regenerates `benchmarks/RESULTS.md` from
 every results file, and plots reward against wall-clock time for both systems
-(`benchmarks/results/<regime>.png`); `--quick` writes the same under `outputs/bench/`,
-leaving the committed results alone. Not part of the test suite: timings here are only
-meaningful as ratios measured in one run.
+(`benchmarks/results/<regime>.png`); `--quick` (a smoke run of every part) writes the
+same under `outputs/bench/`, leaving the committed results alone. Not part of the test
+suite: timings here are only meaningful as ratios measured in one run.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import platform
@@ -43,23 +58,60 @@ RESULTS = REPO / "benchmarks" / "results"
 
 
 @dataclass(frozen=True)
+class Recipe:
+    """How the model both systems start from is made: a fresh tiny model
+    (`scripts/build_tiny_model.py`), then an SFT warm-up on the environment's own chats."""
+
+    build_args: tuple[str, ...] = ()
+    data_args: tuple[str, ...] = ()
+    """`scripts/make_sft_data.py` flags."""
+    sft_config: str = "configs/reverse-text/sft.toml"
+    sft_flags: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class Mode:
     steps: int
     repeats: int
     targets: tuple[float, ...]
-    """Rewards the 5-step mean must reach (the quickstart's starts near 0.62): the time to
-    each is a figure."""
+    """Rewards the 5-step mean must reach: the time to each is a figure."""
     budget_s: float
     """Wall-clock budget at which each system's reward is read."""
+    recipe: Recipe = Recipe()
 
 
-FULL = Mode(steps=120, repeats=3, targets=(0.7, 0.85), budget_s=120.0)
-QUICK = Mode(steps=12, repeats=1, targets=(0.65,), budget_s=60.0)
+@dataclass(frozen=True)
+class Regime:
+    name: str
+    config: str
+    """The prime-rl config both systems run (TRL's side reads it too: ``benchmarks.trl_grpo``)."""
+    full: Mode
+    quick: Mode
+
+
+QUICKSTART = Regime(
+    "quickstart", "configs/reverse-text/rl.toml",
+    # the quickstart's SFT'd model starts near 0.62
+    full=Mode(steps=120, repeats=2, targets=(0.7, 0.85), budget_s=120.0),
+    quick=Mode(steps=12, repeats=1, targets=(0.65,), budget_s=60.0),
+)
+LONG_TEXT = ("--args", '{"min_len": 50, "max_len": 150}')
+GENERATION_HEAVY = Regime(
+    "generation-heavy", "benchmarks/configs/generation-heavy.toml",
+    full=Mode(steps=12, repeats=1, targets=(0.25,), budget_s=150.0, recipe=Recipe(
+        ("--hidden-size", "512", "--num-layers", "4", "--head-dim", "128"), LONG_TEXT,
+        "benchmarks/configs/generation-heavy-sft.toml")),
+    # a smoke run: the quickstart's model size, a few warm-up steps
+    quick=Mode(steps=4, repeats=1, targets=(0.3,), budget_s=60.0, recipe=Recipe(
+        (), LONG_TEXT, "benchmarks/configs/generation-heavy-sft.toml", ("--max-steps", "4"))),
+)
+REGIMES = {r.name: r for r in (QUICKSTART, GENERATION_HEAVY)}
 
 
 @dataclass(frozen=True)
 class Curve:
-    """One run of one system: per step, seconds since its command started and mean reward."""
+    """One run of one system: per step, seconds since its command started, mean reward and
+    mean completion tokens."""
 
     system: str
     times: list[float]
@@ -67,6 +119,7 @@ class Curve:
     wall_s: float
     profile: dict[str, float | None] | None = None
     """prime-rl only: where the time went (``benchmarks.profile.run_profile``)."""
+    completion_tokens: list[float] | None = None
 
 
 # --------------------------------------------------------------------------- the model both start from
@@ -76,27 +129,28 @@ def run(cmd: list[str], **kwargs) -> None:
     subprocess.run(cmd, check=True, cwd=REPO, **kwargs)
 
 
-def prepare_model(root: Path) -> Path:
-    """The quickstart's SFT'd tiny model (built once, then reused)."""
+def prepare_model(recipe: Recipe) -> Path:
+    """``recipe``'s SFT'd model (built once under a folder named by the recipe, then reused);
+    its untrained base model lies beside it (``base``)."""
+    root = WORK / "models" / hashlib.sha1(repr(recipe).encode()).hexdigest()[:10]
     sft = root / "sft"
     if (sft / "STABLE").is_file():
         return sft
     python = sys.executable
-    run([python, "scripts/build_tiny_model.py", str(root / "base")], stdout=subprocess.DEVNULL)
-    run([python, "scripts/make_sft_data.py", str(root / "sft.jsonl")], stdout=subprocess.DEVNULL)
-    run([python, "-m", "prime_rl.cli", "sft", "configs/reverse-text/sft.toml", "--model.name", str(root / "base"),
-         "--data.path", str(root / "sft.jsonl"), "--output-dir", str(sft)], stdout=subprocess.DEVNULL)
+    run([python, "scripts/build_tiny_model.py", str(root / "base"), *recipe.build_args], stdout=subprocess.DEVNULL)
+    run([python, "scripts/make_sft_data.py", str(root / "sft.jsonl"), *recipe.data_args], stdout=subprocess.DEVNULL)
+    run([python, "-m", "prime_rl.cli", "sft", recipe.sft_config, "--model.name", str(root / "base"),
+         "--data.path", str(root / "sft.jsonl"), "--output-dir", str(sft), *recipe.sft_flags], stdout=subprocess.DEVNULL)
     return sft
 
 
 # --------------------------------------------------------------------------- the two systems
 
 
-def run_prime_rl(model: Path, out: Path, steps: int) -> Curve:
-    """`prime-rl configs/reverse-text/rl.toml` on ``model`` for ``steps`` steps, headless."""
-    cmd = [sys.executable, "-m", "prime_rl.cli", "configs/reverse-text/rl.toml", "--model", str(model),
-           "--output-dir", str(out), "--max-steps", str(steps), "--clean", "--no-tmux",
-           "--inference.port", str(free_port()), "--transport.port", str(free_port())]
+def run_prime_rl(config: str, model: Path, out: Path, flags: list[str]) -> Curve:
+    """`prime-rl CONFIG` on ``model`` with ``flags``, headless."""
+    cmd = [sys.executable, "-m", "prime_rl.cli", config, "--model", str(model), "--output-dir", str(out), *flags,
+           "--clean", "--no-tmux", "--inference.port", str(free_port()), "--transport.port", str(free_port())]
     t0 = time.time()
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL)
     with CpuSampler(proc.pid, t0) as cpu:
@@ -108,18 +162,19 @@ def run_prime_rl(model: Path, out: Path, steps: int) -> Curve:
     # the trainer's row marks the end of a step's training; the reward is the batch's
     trained = {r["step"]: r["wall"] - t0 for r in rows if r["process"] == "trainer"}
     return Curve("prime-rl", [trained[r["step"]] for r in steps_rows], [r["reward/mean"] for r in steps_rows], wall,
-                 run_profile(rows, t0, cpu.samples))
+                 run_profile(rows, t0, cpu.samples), [r["seq/completion_len_mean"] for r in steps_rows])
 
 
-def run_trl(model: Path, out: Path, steps: int) -> Curve:
+def run_trl(config: str, model: Path, out: Path, flags: list[str]) -> Curve:
     out.mkdir(parents=True, exist_ok=True)
     log = out / "steps.jsonl"
     t0 = time.time()
-    run([sys.executable, "-m", "benchmarks.trl_grpo", str(model), str(log), "--steps", str(steps), "--t0", str(t0)],
+    run([sys.executable, "-m", "benchmarks.trl_grpo", config, str(model), str(log), "--t0", str(t0), "--", *flags],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wall = time.time() - t0
     rows = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
-    return Curve("trl", [r["time"] for r in rows], [r["reward"] for r in rows], wall)
+    return Curve("trl", [r["time"] for r in rows], [r["reward"] for r in rows], wall,
+                 completion_tokens=[r["completion_tokens"] for r in rows])
 
 
 # --------------------------------------------------------------------------- figures
@@ -145,6 +200,7 @@ def figures(curve: Curve, mode: Mode) -> dict[str, float | None]:
         "reward_at_budget": before_budget[-1] if before_budget else None,
         "reward_first5": statistics.fmean(curve.rewards[:5]),
         "reward_last5": statistics.fmean(curve.rewards[-5:]),
+        "completion_tokens": statistics.fmean(curve.completion_tokens) if curve.completion_tokens else None,
     }
 
 
@@ -218,6 +274,9 @@ def write_results_md(results: Path) -> Path:
         data = json.loads(path.read_text())
         lines += [f"## {path.stem}", "", f"{data['date']}, {data['mode']}; machine: "
                   + ", ".join(f"{k} {v}" for k, v in data["machine"].items()), ""]
+        if "scaling" in data:
+            lines += _scaling_table(data["scaling"])
+            continue
         systems = list(data["figures"])
         lines += ["| figure | " + " | ".join(systems) + " |", "|---|" + "---|" * len(systems)]
         for key in data["figures"][systems[0]]:
@@ -234,18 +293,35 @@ def write_results_md(results: Path) -> Path:
             lines += ["", "Overheads against their limits (`benchmarks/overheads.py`, `benchmarks/loadgen.py`; "
                       "run on the first repeat's recorded batches, each alone on the machine):", "",
                       "| measure | value |", "|---|---|"]
-            lines += [f"| {k} | {'-' if v is None else f'{v:.3g}'} |" for k, v in data["overheads"].items()]
+            lines += [f"| {k} | {_num(v)} |" for k, v in data["overheads"].items()]
         if data.get("async_gain"):
             lines += ["", f"Async gain (`benchmarks/async_gain.py`, {async_gain.STEPS}-step runs): seconds per step at each "
                       "`async_level`, unpinned and pinned (vLLM's worker on core 0, the rest on core 1), the gain "
                       "of level 0 over 1 and 2, and the ideal gain from the component times of the unpinned "
                       "level-0 run (generation, training and handoff taking turns).", "",
                       "| measure | value |", "|---|---|"]
-            lines += [f"| {k} | {'-' if v is None else f'{v:.3g}'} |" for k, v in data["async_gain"].items()]
+            lines += [f"| {k} | {_num(v)} |" for k, v in data["async_gain"].items()]
         lines += ["", f"![reward against wall-clock time](results/{path.stem}.png)", ""]
     out = results.parent / "RESULTS.md"
     out.write_text("\n".join(lines))
     return out
+
+
+def _scaling_table(points: dict[str, dict]) -> list[str]:
+    lines = [f"Seconds per step (mean after step 1) of both systems on the quickstart's config with the group size "
+             f"and completion length changed, {SCALING_PROMPTS} prompts a step, on the untrained base model (it "
+             "rarely stops early, so completions run to the limit; `completion tokens` is the measured mean).", "",
+             "| group | max tokens | completions/step | prime-rl s/step | trl s/step | ratio | completion tokens (prime-rl, trl) |",
+             "|---|---|---|---|---|---|---|"]
+    for p in points.values():
+        cells = [_num(p[k]) for k in ("prime-rl/s_per_step", "trl/s_per_step", "s_per_step prime-rl/trl")]
+        tokens = f"{_num(p['prime-rl/completion_tokens'])}, {_num(p['trl/completion_tokens'])}"
+        lines.append(f"| {p['group']} | {p['max_tokens']} | {p['completions_per_step']} | " + " | ".join(cells) + f" | {tokens} |")
+    return lines + [""]
+
+
+def _num(v: float | None) -> str:
+    return "-" if v is None else f"{v:.3g}"
 
 
 def _cell(s: dict) -> str:
@@ -256,14 +332,16 @@ def _cell(s: dict) -> str:
     return f"{s['median']:.3g} [{s['min']:.3g}, {s['max']:.3g}]"
 
 
-def measure(mode: Mode, repeats: int, started: float) -> dict[str, list[Curve]]:
+def measure(regime: Regime, mode: Mode, repeats: int, started: float) -> dict[str, list[Curve]]:
     """Both systems, ``repeats`` times each, alternating so drift in the machine's speed hits both alike."""
-    model = prepare_model(WORK / "model")
+    model = prepare_model(mode.recipe)
+    print(f"[bench] {regime.name}: model ready ({time.time() - started:.0f} s)", flush=True)
+    flags = ["--max-steps", str(mode.steps)]
     curves: dict[str, list[Curve]] = {"prime-rl": [], "trl": []}
     for i in range(repeats):
-        curves["prime-rl"].append(run_prime_rl(model, WORK / f"prime-rl-{i}", mode.steps))
-        curves["trl"].append(run_trl(model, WORK / f"trl-{i}", mode.steps))
-        print(f"[bench] repeat {i + 1}/{repeats} done ({time.time() - started:.0f} s)", flush=True)
+        curves["prime-rl"].append(run_prime_rl(regime.config, model, WORK / regime.name / f"prime-rl-{i}", flags))
+        curves["trl"].append(run_trl(regime.config, model, WORK / regime.name / f"trl-{i}", flags))
+        print(f"[bench] {regime.name}: repeat {i + 1}/{repeats} done ({time.time() - started:.0f} s)", flush=True)
     return curves
 
 
@@ -293,31 +371,65 @@ def overheads(model: Path, run_dir: Path, profile: dict) -> dict[str, float | No
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help=f"{QUICK.steps} steps, 1 repeat (a smoke run, minutes)")
-    parser.add_argument("--repeats", type=int, default=None, help="repeats per system (default: 3, quick: 1)")
-    parser.add_argument("--resummarize", action="store_true", help="recompute figures, RESULTS.md and plots from the stored curves")
-    args = parser.parse_args(argv)
-    mode = QUICK if args.quick else FULL
-    name, results = "quickstart", WORK / "results" if args.quick else RESULTS
-    started = time.time()
+# --------------------------------------------------------------------------- scaling
+
+
+SCALING_PROMPTS = 16
+"""Prompts per step in the scaling sweep: a step holds SCALING_PROMPTS x group completions."""
+SCALING_FULL = ((4, 16), (8, 16), (16, 16), (32, 16), (8, 64), (8, 256))
+"""(group size, completion tokens): the group sweep at 16 tokens, the length sweep at groups of 8."""
+SCALING_QUICK = ((4, 16),)
+
+
+def scaling_flags(group: int, tokens: int, steps: int) -> list[str]:
+    batch = SCALING_PROMPTS * group
+    return ["--max-steps", str(steps), "--rollouts-per-example", str(group), "--batch-size", str(batch),
+            "--orchestrator.micro-batch-size", str(min(128, batch)), "--sampling.max-tokens", str(tokens),
+            "--seq-len", "512"]
+
+
+def scaling(base: Path, points: tuple[tuple[int, int], ...], steps: int, started: float) -> dict[str, dict]:
+    """Seconds per step of both systems as group size and completion length grow: the
+    quickstart's config with those changed, on the quickstart's untrained base model, which
+    rarely stops before the token limit, so every completion is about that long."""
+    out: dict[str, dict] = {}
+    for group, tokens in points:
+        name = f"group_{group}_tokens_{tokens}"
+        flags = scaling_flags(group, tokens, steps)
+        point: dict[str, float | None] = {"group": group, "max_tokens": tokens, "completions_per_step": SCALING_PROMPTS * group}
+        for system, runner in (("prime-rl", run_prime_rl), ("trl", run_trl)):
+            f = figures(runner(QUICKSTART.config, base, WORK / "scaling" / name / system, flags), QUICKSTART.quick)
+            point[f"{system}/s_per_step"] = f["s_per_step"]
+            point[f"{system}/completion_tokens"] = f["completion_tokens"]
+        ours, peer = point["prime-rl/s_per_step"], point["trl/s_per_step"]
+        point["s_per_step prime-rl/trl"] = ours / peer if ours and peer else None
+        out[name] = point
+        print(f"[bench] scaling {name}: {ours} vs {peer} s/step ({time.time() - started:.0f} s)", flush=True)
+    return out
+
+
+# --------------------------------------------------------------------------- main
+
+
+def run_regime(regime: Regime, args: argparse.Namespace, results: Path, started: float) -> None:
+    mode = regime.quick if args.quick else regime.full
+    path = results / f"{regime.name}.json"
     if args.resummarize:
-        data = json.loads((results / f"{name}.json").read_text())
+        data = json.loads(path.read_text())
         curves = {system: [Curve(**c) for c in runs] for system, runs in data["curves"].items()}
         repeats = len(curves["prime-rl"])
     else:
         repeats = args.repeats or mode.repeats
-        curves = measure(mode, repeats, started)
+        curves = measure(regime, mode, repeats, started)
         data = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": machine()}
-    results.mkdir(parents=True, exist_ok=True)
-    targets = ", ".join(f"{t:g}" for t in mode.targets)
     summary = summarize(curves, mode)
-    if not args.resummarize:
-        data["overheads"] = overheads(WORK / "model" / "sft", WORK / "prime-rl-0", summary["profile"])
+    if regime is QUICKSTART and not args.resummarize:
+        model = prepare_model(mode.recipe)
+        data["overheads"] = overheads(model, WORK / regime.name / "prime-rl-0", summary["profile"])
         print(f"[bench] overheads measured ({time.time() - started:.0f} s)", flush=True)
         if not args.quick:
-            data["async_gain"] = async_gain.sweep(WORK / "model" / "sft", WORK, lambda: (free_port(), free_port()))
+            data["async_gain"] = async_gain.sweep(model, WORK, lambda: (free_port(), free_port()))
+    targets = ", ".join(f"{t:g}" for t in mode.targets)
     data = {
         "date": data["date"],
         "mode": f"{'quick' if args.quick else 'full'}: {mode.steps} steps, {repeats} repeat(s), targets {targets}, budget {mode.budget_s:g} s",
@@ -327,11 +439,41 @@ def main(argv: list[str] | None = None) -> int:
         "async_gain": data.get("async_gain", {}),
         "curves": {system: [asdict(c) for c in runs] for system, runs in curves.items()},
     }
-    (results / f"{name}.json").write_text(json.dumps(data, indent=1))
-    plot(curves, mode, results / f"{name}.png")
-    print(f"[bench] {results / f'{name}.json'}, {write_results_md(results)} ({time.time() - started:.0f} s in all)")
+    path.write_text(json.dumps(data, indent=1))
+    plot(curves, mode, results / f"{regime.name}.png")
     for key, value in data["ratios"].items():
-        print(f"[bench] {key}: {'-' if value is None else f'{value:.2f}'}")
+        print(f"[bench] {regime.name} {key}: {'-' if value is None else f'{value:.2f}'}", flush=True)
+
+
+def run_scaling(args: argparse.Namespace, results: Path, started: float) -> None:
+    points, steps = (SCALING_QUICK, 3) if args.quick else (SCALING_FULL, 5)
+    base = prepare_model(QUICKSTART.quick.recipe).parent / "base"
+    data = {"date": time.strftime("%Y-%m-%d %H:%M"), "mode": f"{'quick' if args.quick else 'full'}: {steps} steps a point",
+            "machine": machine(), "scaling": scaling(base, points, steps, started)}
+    (results / "scaling.json").write_text(json.dumps(data, indent=1))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a smoke run of every part: few steps, 1 repeat (minutes)")
+    parser.add_argument("--repeats", type=int, default=None, help="repeats per system (default: each regime's)")
+    parser.add_argument("--only", default=",".join([*REGIMES, "scaling"]),
+                        help=f"comma-separated parts to run (default: all of {', '.join([*REGIMES, 'scaling'])})")
+    parser.add_argument("--resummarize", action="store_true", help="recompute figures, RESULTS.md and plots from the stored curves")
+    args = parser.parse_args(argv)
+    parts = [p.strip() for p in args.only.split(",") if p.strip()]
+    unknown = [p for p in parts if p not in REGIMES and p != "scaling"]
+    if unknown:
+        parser.error(f"--only: unknown part(s) {unknown}; expected some of {[*REGIMES, 'scaling']}")
+    results = WORK / "results" if args.quick else RESULTS
+    results.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    for part in parts:
+        if part in REGIMES:
+            run_regime(REGIMES[part], args, results, started)
+        elif not args.resummarize:
+            run_scaling(args, results, started)
+    print(f"[bench] {write_results_md(results)} ({time.time() - started:.0f} s in all)")
     return 0
 
 

@@ -1,31 +1,38 @@
-"""The peer: TRL's GRPOTrainer on the quickstart task, set up as a new user would.
+"""The peer: TRL's GRPOTrainer on the task of a prime-rl config, set up as a new user would.
 
-    python -m benchmarks.trl_grpo MODEL OUT.jsonl --steps N [--t0 UNIX_TIME]
+    python -m benchmarks.trl_grpo CONFIG.toml MODEL OUT.jsonl [--t0 UNIX_TIME] [-- FLAG ...]
 
-Same task as `configs/reverse-text/rl.toml`: the reverse-text prompts (the environment's
-own chats) and LCS reward, groups of 8, 256 completions per optimizer step, 16 new
-tokens, temperature 1, AdamW lr 1e-3 constant (betas 0.9/0.99, no weight decay, clip
-1.0), token-level loss, advantages = reward - group mean, no KL term, one pass per batch.
+Reads the same RL config as `prime-rl CONFIG.toml` (with the same override flags after
+`--`), so both systems run one task: the reverse-text environment with the config's
+arguments (its own chats) and LCS reward, `rollouts_per_example` completions per prompt,
+`batch_size` completions per optimizer step in micro-batches of `micro_batch_size`,
+`sampling.max_tokens` new tokens at `sampling.temperature`, AdamW with the trainer's lr,
+betas, weight decay and clipping at a constant rate, `max_steps` steps, the seed.
+Token-level loss, advantages = reward - group mean, no KL term, one pass per batch.
 Generation is TRL's CPU path (transformers `generate`). Writes one JSON row per step:
-step, reward, seconds since ``--t0`` (the command's start, set by the caller).
+step, reward, mean completion tokens, seconds since ``--t0`` (the command's start, set
+by the caller).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.trl_grpo")
+    parser.add_argument("config", type=Path, help="a prime-rl RL config (reverse-text)")
     parser.add_argument("model", type=Path)
     parser.add_argument("out", type=Path)
-    parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--t0", type=float, default=None, help="Unix time the command started (default: now)")
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    split = argv.index("--") if "--" in argv else len(argv)
+    args = parser.parse_args(argv[:split])
+    flags = argv[split + 1 :]  # prime-rl override flags
     t0 = args.t0 if args.t0 is not None else time.time()
 
     from datasets import Dataset
@@ -34,9 +41,18 @@ def main(argv: list[str] | None = None) -> int:
 
     from orchestrator.envs import load_env
     from orchestrator.envs.reverse_text import lcs_ratio
-    from prime_rl.config import EnvConfig
+    from prime_rl.config import RLConfig
+    from prime_rl.settings import load_config
 
-    env = load_env(EnvConfig(id="reverse-text"))
+    cfg = load_config(RLConfig, [args.config], flags)
+    orch, optim = cfg.orchestrator, cfg.trainer.optim
+    (env_cfg,) = orch.env
+    if env_cfg.id.removeprefix("primeintellect/") != "reverse-text":
+        raise SystemExit(f"{args.config}: the peer runs reverse-text only, got env {env_cfg.id!r}")
+    if orch.batch_size % orch.micro_batch_size:
+        raise SystemExit(f"{args.config}: batch_size ({orch.batch_size}) must be a multiple of micro_batch_size "
+                         f"({orch.micro_batch_size}) for the peer's gradient accumulation")
+    env = load_env(env_cfg)
     rows = [{"prompt": example.prompt, "answer": example.answer} for example in env.dataset]
 
     def lcs_reward(completions, answer, **_) -> list[float]:
@@ -47,23 +63,25 @@ def main(argv: list[str] | None = None) -> int:
     class StepLog(TrainerCallback):
         def on_log(self, _args, state, _control, logs=None, **_):
             if logs and "reward" in logs:
-                row = {"step": state.global_step - 1, "reward": logs["reward"], "time": time.time() - t0}
+                row = {"step": state.global_step - 1, "reward": logs["reward"],
+                       "completion_tokens": logs.get("completions/mean_length"), "time": time.time() - t0}
                 out.write(json.dumps(row) + "\n")
                 out.flush()
 
     config = GRPOConfig(
         output_dir=str(args.out.parent / "trl_output"),
-        max_steps=args.steps,
-        per_device_train_batch_size=128,  # completions per micro-batch, as the quickstart's
-        gradient_accumulation_steps=2,  # 256 completions per optimizer step
-        num_generations=8,
-        max_completion_length=16,
-        temperature=1.0,
-        learning_rate=1e-3,
+        max_steps=orch.max_steps or cfg.trainer.max_steps,
+        per_device_train_batch_size=orch.micro_batch_size,
+        gradient_accumulation_steps=orch.batch_size // orch.micro_batch_size,
+        num_generations=orch.rollouts_per_example,
+        max_completion_length=orch.sampling.max_tokens,
+        temperature=orch.sampling.temperature,
+        learning_rate=optim.lr,
         lr_scheduler_type="constant",
-        adam_beta2=0.99,
-        weight_decay=0.0,
-        max_grad_norm=1.0,
+        adam_beta1=optim.betas[0],
+        adam_beta2=optim.betas[1],
+        weight_decay=optim.weight_decay,
+        max_grad_norm=optim.max_grad_norm,
         beta=0.0,
         scale_rewards="none",
         loss_type="dapo",  # token-level: every completion token of the batch weighs the same
@@ -73,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         logging_steps=1,
         save_strategy="no",
         report_to="none",
-        seed=args.seed,
+        seed=orch.seed,
         disable_tqdm=True,
     )
     trainer = GRPOTrainer(

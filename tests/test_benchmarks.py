@@ -92,7 +92,7 @@ def test_quick_benchmark_runs_and_writes_well_formed_results():
     data = json.loads((results / "quickstart.json").read_text())
     assert set(data["figures"]) == {"prime-rl", "trl"}
     for system, runs in data["curves"].items():
-        assert len(runs[0]["rewards"]) == bench.QUICK.steps, system
+        assert len(runs[0]["rewards"]) == bench.QUICKSTART.quick.steps, system
         assert runs[0]["times"] == sorted(runs[0]["times"]) and 0 < runs[0]["times"][0] < runs[0]["wall_s"]
     assert all(isinstance(v, float) for k, v in data["ratios"].items() if "target" not in k)
     profile = data["profile"]
@@ -101,4 +101,36 @@ def test_quick_benchmark_runs_and_writes_well_formed_results():
     overheads = data["overheads"]
     for key in ("transport share of step", "trainer step / bare loop step", "orchestrator tokens/s / vLLM alone"):
         assert isinstance(overheads[key], float) and overheads[key] > 0, key
-    assert (results / "quickstart.png").stat().st_size > 0 and "## quickstart" in (results.parent / "RESULTS.md").read_text()
+    assert (results / "quickstart.png").stat().st_size > 0
+    heavy = json.loads((results / "generation-heavy.json").read_text())
+    assert len(heavy["curves"]["trl"][0]["rewards"]) == bench.GENERATION_HEAVY.quick.steps
+    assert all(tokens > 16 for c in heavy["curves"].values() for tokens in c[0]["completion_tokens"])  # long replies
+    (point,) = json.loads((results / "scaling.json").read_text())["scaling"].values()
+    assert point["prime-rl/s_per_step"] > 0 and point["trl/s_per_step"] > 0 and point["prime-rl/completion_tokens"] > 8
+    text = (results.parent / "RESULTS.md").read_text()
+    assert all(f"## {name}" in text for name in ("quickstart", "generation-heavy", "scaling"))
+
+
+def test_scaling_flags_are_a_valid_config_for_both_systems():
+    from prime_rl.config import RLConfig
+    from prime_rl.settings import load_config
+
+    for group, tokens in bench.SCALING_FULL:
+        cfg = load_config(RLConfig, [REPO / bench.QUICKSTART.config], bench.scaling_flags(group, tokens, steps=5))
+        orch = cfg.orchestrator
+        assert (orch.rollouts_per_example, orch.sampling.max_tokens, orch.max_steps) == (group, tokens, 5)
+        assert orch.batch_size == bench.SCALING_PROMPTS * group
+        assert orch.batch_size % orch.micro_batch_size == 0  # the peer's gradient accumulation needs it
+        assert cfg.trainer.seq_len >= tokens + 64  # room for the prompt
+
+
+def test_results_md_renders_the_scaling_sweep(tmp_path):
+    results = tmp_path / "results"
+    results.mkdir()
+    point = {"group": 4, "max_tokens": 16, "completions_per_step": 64, "prime-rl/s_per_step": 0.5,
+             "prime-rl/completion_tokens": 15.5, "trl/s_per_step": 0.25, "trl/completion_tokens": 16.0,
+             "s_per_step prime-rl/trl": 2.0}
+    data = {"date": "2026-12-01 12:00", "mode": "quick", "machine": {"cpus": 2}, "scaling": {"group_4_tokens_16": point}}
+    (results / "scaling.json").write_text(json.dumps(data))
+    text = bench.write_results_md(results).read_text()
+    assert "## scaling" in text and "| 4 | 16 | 64 | 0.5 | 0.25 | 2 | 15.5, 16 |" in text
