@@ -46,6 +46,7 @@ import time
 from dataclasses import asdict, dataclass
 from importlib.metadata import version
 from pathlib import Path
+from typing import Callable
 
 from benchmarks import async_gain
 from benchmarks.loadgen import free_port
@@ -78,6 +79,8 @@ class Mode:
     budget_s: float
     """Wall-clock budget at which each system's reward is read."""
     recipe: Recipe = Recipe()
+    base_model: bool = False
+    """Start from the recipe's untrained base model instead of its SFT'd one."""
 
 
 @dataclass(frozen=True)
@@ -93,7 +96,8 @@ QUICKSTART = Regime(
     "quickstart", "configs/reverse-text/rl.toml",
     # the quickstart's SFT'd model starts near 0.62
     full=Mode(steps=120, repeats=2, targets=(0.7, 0.85), budget_s=120.0),
-    quick=Mode(steps=12, repeats=1, targets=(0.65,), budget_s=60.0),
+    # a shorter warm-up (the model is only smoke-tested)
+    quick=Mode(steps=8, repeats=1, targets=(0.65,), budget_s=60.0, recipe=Recipe(sft_flags=("--max-steps", "100"))),
 )
 LONG_TEXT = ("--args", '{"min_len": 50, "max_len": 150}')
 GENERATION_HEAVY = Regime(
@@ -101,9 +105,8 @@ GENERATION_HEAVY = Regime(
     full=Mode(steps=12, repeats=1, targets=(0.25,), budget_s=150.0, recipe=Recipe(
         ("--hidden-size", "512", "--num-layers", "4", "--head-dim", "128"), LONG_TEXT,
         "benchmarks/configs/generation-heavy-sft.toml")),
-    # a smoke run: the quickstart's model size, a few warm-up steps
-    quick=Mode(steps=4, repeats=1, targets=(0.3,), budget_s=60.0, recipe=Recipe(
-        (), LONG_TEXT, "benchmarks/configs/generation-heavy-sft.toml", ("--max-steps", "4"))),
+    # a smoke run on the quickstart's untrained model, which runs every reply to the limit
+    quick=Mode(steps=3, repeats=1, targets=(0.3,), budget_s=60.0, recipe=QUICKSTART.quick.recipe, base_model=True),
 )
 REGIMES = {r.name: r for r in (QUICKSTART, GENERATION_HEAVY)}
 
@@ -270,6 +273,7 @@ def write_results_md(results: Path) -> Path:
     median [min, max], the ratios."""
     lines = ["# Benchmark results", "", "Written by `uv run --group bench python -m benchmarks.run` (see its docstring);",
              "do not edit. Ratios are this project over TRL's GRPOTrainer, measured in one invocation.", ""]
+    lines += _targets_table(results)
     for path in sorted(results.glob("*.json")):
         data = json.loads(path.read_text())
         lines += [f"## {path.stem}", "", f"{data['date']}, {data['mode']}; machine: "
@@ -307,6 +311,45 @@ def write_results_md(results: Path) -> Path:
     return out
 
 
+def targets(results: Path) -> list[tuple[str, float | None, bool | None]]:
+    """The issue's targets against the results in ``results``: (target, measured value,
+    holds); None where a part was not run or the figure was not reached."""
+    def load(name: str) -> dict:
+        path = results / f"{name}.json"
+        return json.loads(path.read_text()) if path.is_file() else {}
+
+    quick, heavy = load("quickstart"), load("generation-heavy")
+    rows: list[tuple[str, float | None, Callable[[float], bool]]] = []
+    if quick:
+        ratios, over = quick["ratios"], quick.get("overheads", {})
+        ours = quick["figures"]["prime-rl"]
+        gain = (ours["reward_last5"]["median"] or 0.0) - (ours["reward_first5"]["median"] or 0.0)
+        rows += [
+            ("quickstart: time to a 5-step reward of 0.85 <= 1.0x TRL's", ratios.get("time_to_0.85_s prime-rl/trl"), lambda v: v <= 1.0),
+            ("quickstart: seconds per step <= 0.7x TRL's", ratios.get("s_per_step prime-rl/trl"), lambda v: v <= 0.7),
+            ("quickstart: reward gain, first 5 -> last 5 steps >= +0.15", gain, lambda v: v >= 0.15),
+            ("weight handoff < 5% of a step", over.get("handoff share of step"), lambda v: v < 0.05),
+            ("transport < 1% of a step", over.get("transport share of step"), lambda v: v < 0.01),
+            ("trainer step <= 1.2x a bare PyTorch loop's", over.get("trainer step / bare loop step"), lambda v: v <= 1.2),
+            ("orchestrator >= 0.8x vLLM alone (tokens/s)", over.get("orchestrator tokens/s / vLLM alone"), lambda v: v >= 0.8),
+        ]
+    if heavy:
+        key = next((k for k in heavy["ratios"] if k.startswith("time_to_")), None)
+        rows.append(("generation-heavy: time to its target reward <= 0.5x TRL's", heavy["ratios"].get(key), lambda v: v <= 0.5))
+    return [(name, value, None if value is None else check(value)) for name, value, check in rows]
+
+
+def _targets_table(results: Path) -> list[str]:
+    rows = targets(results)
+    if not rows:
+        return []
+    lines = ["## Targets", "", "| target | measured | holds |", "|---|---|---|"]
+    for name, value, holds in rows:
+        lines.append(f"| {name} | {_num(value) if value is not None else 'not reached'} | "
+                     f"{'-' if holds is None else 'yes' if holds else 'no'} |")
+    return lines + [""]
+
+
 def _scaling_table(points: dict[str, dict]) -> list[str]:
     lines = [f"Seconds per step (mean after step 1) of both systems on the quickstart's config with the group size "
              f"and completion length changed, {SCALING_PROMPTS} prompts a step, on the untrained base model (it "
@@ -335,6 +378,8 @@ def _cell(s: dict) -> str:
 def measure(regime: Regime, mode: Mode, repeats: int, started: float) -> dict[str, list[Curve]]:
     """Both systems, ``repeats`` times each, alternating so drift in the machine's speed hits both alike."""
     model = prepare_model(mode.recipe)
+    if mode.base_model:
+        model = model.parent / "base"
     print(f"[bench] {regime.name}: model ready ({time.time() - started:.0f} s)", flush=True)
     flags = ["--max-steps", str(mode.steps)]
     curves: dict[str, list[Curve]] = {"prime-rl": [], "trl": []}
@@ -345,7 +390,7 @@ def measure(regime: Regime, mode: Mode, repeats: int, started: float) -> dict[st
     return curves
 
 
-def overheads(model: Path, run_dir: Path, profile: dict) -> dict[str, float | None]:
+def overheads(model: Path, run_dir: Path, profile: dict, rounds: int) -> dict[str, float | None]:
     """Transport and trainer against their limits on ``run_dir``'s recorded batches, vLLM alone
     under a plain load generator, and the ratios the issue's targets name (``benchmarks.overheads``,
     ``benchmarks.loadgen``); each in a process of its own with nothing else running."""
@@ -354,7 +399,7 @@ def overheads(model: Path, run_dir: Path, profile: dict) -> dict[str, float | No
         [sys.executable, "-m", "benchmarks.overheads", str(run_dir), str(model)], check=True, cwd=REPO, env=env,
         capture_output=True, text=True).stdout.strip().splitlines()[-1])
     vllm_alone = json.loads(subprocess.run(
-        [sys.executable, "-m", "benchmarks.loadgen", str(model), "--rounds", "6"], check=True, cwd=REPO,
+        [sys.executable, "-m", "benchmarks.loadgen", str(model), "--rounds", str(rounds)], check=True, cwd=REPO,
         capture_output=True, text=True).stdout.strip().splitlines()[-1])
     s_per_step = profile["mean_s_per_step"]["median"]
     orch_rate = profile["orchestrator/tokens_per_s"]["median"]
@@ -425,7 +470,7 @@ def run_regime(regime: Regime, args: argparse.Namespace, results: Path, started:
     summary = summarize(curves, mode)
     if regime is QUICKSTART and not args.resummarize:
         model = prepare_model(mode.recipe)
-        data["overheads"] = overheads(model, WORK / regime.name / "prime-rl-0", summary["profile"])
+        data["overheads"] = overheads(model, WORK / regime.name / "prime-rl-0", summary["profile"], 2 if args.quick else 6)
         print(f"[bench] overheads measured ({time.time() - started:.0f} s)", flush=True)
         if not args.quick:
             data["async_gain"] = async_gain.sweep(model, WORK, lambda: (free_port(), free_port()))
@@ -447,7 +492,7 @@ def run_regime(regime: Regime, args: argparse.Namespace, results: Path, started:
 
 def run_scaling(args: argparse.Namespace, results: Path, started: float) -> None:
     points, steps = (SCALING_QUICK, 3) if args.quick else (SCALING_FULL, 5)
-    base = prepare_model(QUICKSTART.quick.recipe).parent / "base"
+    base = prepare_model((QUICKSTART.quick if args.quick else QUICKSTART.full).recipe).parent / "base"
     data = {"date": time.strftime("%Y-%m-%d %H:%M"), "mode": f"{'quick' if args.quick else 'full'}: {steps} steps a point",
             "machine": machine(), "scaling": scaling(base, points, steps, started)}
     (results / "scaling.json").write_text(json.dumps(data, indent=1))
