@@ -91,6 +91,9 @@ class Regime:
     full: Mode
     quick: Mode
 
+    def mode(self, quick: bool) -> Mode:
+        return self.quick if quick else self.full
+
 
 QUICKSTART = Regime(
     "quickstart", "configs/reverse-text/rl.toml",
@@ -109,6 +112,8 @@ GENERATION_HEAVY = Regime(
     quick=Mode(steps=3, repeats=1, targets=(0.3,), budget_s=60.0, recipe=QUICKSTART.quick.recipe, base_model=True),
 )
 REGIMES = {r.name: r for r in (QUICKSTART, GENERATION_HEAVY)}
+PARTS = (*REGIMES, "scaling")
+"""What ``--only`` may name: the regimes, then the scaling sweep."""
 
 
 @dataclass(frozen=True)
@@ -457,7 +462,7 @@ def scaling(base: Path, points: tuple[tuple[int, int], ...], steps: int, started
 
 
 def run_regime(regime: Regime, args: argparse.Namespace, results: Path, started: float) -> None:
-    mode = regime.quick if args.quick else regime.full
+    mode = regime.mode(args.quick)
     path = results / f"{regime.name}.json"
     if args.resummarize:
         data = json.loads(path.read_text())
@@ -492,7 +497,7 @@ def run_regime(regime: Regime, args: argparse.Namespace, results: Path, started:
 
 def run_scaling(args: argparse.Namespace, results: Path, started: float) -> None:
     points, steps = (SCALING_QUICK, 3) if args.quick else (SCALING_FULL, 5)
-    base = prepare_model((QUICKSTART.quick if args.quick else QUICKSTART.full).recipe).parent / "base"
+    base = prepare_model(QUICKSTART.mode(args.quick).recipe).parent / "base"
     data = {"date": time.strftime("%Y-%m-%d %H:%M"), "mode": f"{'quick' if args.quick else 'full'}: {steps} steps a point",
             "machine": machine(), "scaling": scaling(base, points, steps, started)}
     (results / "scaling.json").write_text(json.dumps(data, indent=1))
@@ -502,14 +507,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a smoke run of every part: few steps, 1 repeat (minutes)")
     parser.add_argument("--repeats", type=int, default=None, help="repeats per system (default: each regime's)")
-    parser.add_argument("--only", default=",".join([*REGIMES, "scaling"]),
-                        help=f"comma-separated parts to run (default: all of {', '.join([*REGIMES, 'scaling'])})")
+    parser.add_argument("--only", default=",".join(PARTS), help=f"comma-separated parts to run (default: all of {', '.join(PARTS)})")
     parser.add_argument("--resummarize", action="store_true", help="recompute figures, RESULTS.md and plots from the stored curves")
     args = parser.parse_args(argv)
     parts = [p.strip() for p in args.only.split(",") if p.strip()]
-    unknown = [p for p in parts if p not in REGIMES and p != "scaling"]
+    unknown = [p for p in parts if p not in PARTS]
     if unknown:
-        parser.error(f"--only: unknown part(s) {unknown}; expected some of {[*REGIMES, 'scaling']}")
+        parser.error(f"--only: unknown part(s) {unknown}; expected some of {list(PARTS)}")
     results = WORK / "results" if args.quick else RESULTS
     results.mkdir(parents=True, exist_ok=True)
     started = time.time()
