@@ -72,7 +72,8 @@ def trio_toml(
     max_tokens: int = 8,
     temperature: float = 1.0,
 ) -> str:
-    """A tiny RL run: few short rollouts, free ports so tests never collide."""
+    """A tiny RL run: few short rollouts, free ports so tests never collide (two in a row:
+    a second trainer rank or vLLM replica takes the next one)."""
     return f"""
 model = "{model}"
 output_dir = "{run_dir}"
@@ -90,7 +91,7 @@ temperature = {temperature}
 {env}
 
 [transport]
-port = {free_port()}
+port = {free_port_pair()}
 timeout_s = 300
 
 [trainer.optim]
@@ -100,7 +101,7 @@ lr = {lr}
 micro_batch_size = 8
 
 [inference]
-port = {free_port()}
+port = {free_port_pair()}
 {extra}"""
 
 

@@ -44,7 +44,8 @@ CASES = [
     ("[trainer.loss]\nlog_ratio_clamp = 2.0\n", [], "must lie inside the log-ratio clamp"),
     ("[orchestrator.filter]\nmin_mean_reward = 0.8\nmax_mean_reward = 0.2\n", [], "min_mean_reward (0.8) must not exceed max_mean_reward (0.2)"),
     ("[trainer.loss]\nimportance = 'geo'\n", [], "trainer.loss.importance: Input should be 'token_mask', 'sequence_mask'"),
-    ("[orchestrator]\nnum_trainer_ranks = 3\n", [], "must split evenly over num_trainer_ranks (3)"),
+    ("batch_size = 2\nrollouts_per_example = 1\n[orchestrator]\nnum_trainer_ranks = 3\n", [],
+     "batch_size (2) must be at least num_trainer_ranks (3): every rank needs a sample"),
     ("[trainer.optim]\nmax_grad_norm = 0\n", [], "trainer.optim.max_grad_norm: Input should be greater than 0"),
     # a model path that does not exist
     ('model = "{run}/no/such/model"\n', [], "trainer.model.name: model path"),

@@ -18,7 +18,8 @@ class BatchSender:
     def __init__(self, config: TransportConfig, num_ranks: int):
         self.config = config
         self.timeout_ms = int(config.timeout_s * 1000)
-        self.addresses = [f"tcp://{config.host}:{config.port + rank}" for rank in range(num_ranks)]
+        host = config.bind_host or config.host
+        self.addresses = [f"tcp://{host}:{config.port + rank}" for rank in range(num_ranks)]
         self._ctx = zmq.Context()
         self._sockets: list[zmq.Socket] = []
         for address in self.addresses:

@@ -37,6 +37,7 @@ from prime_rl.config import (
     environment_name,
     vllm_lora_rank,
 )
+from prime_rl.deployment import Placement, PlacementError, count_gpus, describe, plan_single_node, process_specs, write_config
 from prime_rl.endpoints import Endpoint, load_endpoints
 from prime_rl.launcher import ProcessSpec, run, tmux_available
 from prime_rl.resume import ResumeRefused, check_resumable, choose_resume_step, rewind
@@ -68,6 +69,7 @@ LAUNCHER_FLAGS = {
     "--clean": "delete a previous run's weights, logs and metrics in the run directory first",
     "--resume": "continue the run in output_dir from its newest complete checkpoint",
     "--resume-step N": "continue from checkpoint N (later weights, checkpoints and metrics rows are discarded)",
+    "--slurm": "submit the run as a SLURM job from the config's [slurm] section (with --dry-run: print the sbatch script)",
 }
 
 
@@ -80,6 +82,10 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(evaluate(argv[1:]))
         if argv[:1] == ["export"]:
             sys.exit(export(argv[1:]))
+        if argv[:1] == ["slurm-node"]:
+            from prime_rl.slurm import node_main
+
+            sys.exit(node_main(argv[1:]))
         if argv[:1] == ["rl"]:
             argv = argv[1:]
         sys.exit(rl(argv))
@@ -113,13 +119,56 @@ def rl(argv: list[str]) -> int:
         print(f"[prime-rl] resuming {run_dir} from checkpoint step {step}", flush=True)
     else:
         prepare_run_dir(run_dir, clean="--clean" in launcher_flags, dry_run="--dry-run" in launcher_flags)
-    write_process_configs(config, run_dir)
+    if "--slurm" in launcher_flags:
+        return submit_slurm(config, run_dir, dry_run="--dry-run" in launcher_flags, tmux="--no-tmux" not in launcher_flags)
+    gpus = count_gpus()
+    placement = planned(config, gpus)
+    specs = process_specs(config, run_dir, placement)
+    show_placement(config, placement, gpus)
     if "--dry-run" in launcher_flags:
         print(f"[prime-rl] resolved configs written to {run_dir / 'configs'}/")
         return 0
 
     use_tmux = "--no-tmux" not in launcher_flags and tmux_available()
-    return run(run_dir, process_specs(config, run_dir), use_tmux, session_name=f"prime-rl-{run_dir.name}")
+    return run(run_dir, specs, use_tmux, session_name=f"prime-rl-{run_dir.name}")
+
+
+def submit_slurm(config: RLConfig, run_dir: Path, dry_run: bool, tmux: bool) -> int:
+    """Render the job script into RUN/slurm/ and submit it (print it with --dry-run)."""
+    from prime_rl import slurm
+
+    if config.slurm is None:
+        raise ConfigError("--slurm: the config has no [slurm] section (nodes, gpus_per_node, partition, ...)")
+    _, script = slurm.prepare(config, run_dir, tmux=tmux)
+    if dry_run:
+        print(script.read_text(), end="")
+        print(f"[prime-rl] sbatch script written to {script} (not submitted)", flush=True)
+        return 0
+    job_id = slurm.submit(script)
+    for line in slurm.how_to_follow(config, run_dir, job_id):
+        print(f"[prime-rl] {line}", flush=True)
+    return 0
+
+
+def planned(config: RLConfig, gpus: int) -> Placement:
+    try:
+        return plan_single_node(config, gpus)
+    except PlacementError as e:
+        raise ConfigError(str(e)) from None
+
+
+def show_placement(config: RLConfig, placement: Placement, gpus: int) -> None:
+    """Where each process runs; on a machine without GPUs, also where it would run on GPUs."""
+    d = config.deployment
+    needed = d.inference_gpus + d.trainer_gpus
+    if gpus == 0 and needed > 2:
+        print(f"[prime-rl] placement on a node with {needed} GPUs (inference {d.inference_gpus}, trainer {d.trainer_gpus}):", flush=True)
+        for line in describe(plan_single_node(config, needed)):
+            print(f"[prime-rl]   {line}", flush=True)
+        print("[prime-rl] this machine shows no GPU: here the same processes run on CPU "
+              "(vLLM-CPU replicas, gloo trainer ranks):", flush=True)
+    for line in describe(placement):
+        print(f"[prime-rl]   {line}" if gpus == 0 and needed > 2 else f"[prime-rl] {line}", flush=True)
 
 
 def take_resume_step(argv: list[str]) -> tuple[list[str], int | None]:
@@ -183,31 +232,6 @@ def prepare_run_dir(run_dir: Path, clean: bool, dry_run: bool) -> None:
             else:
                 path.unlink()
     run_dir.mkdir(parents=True, exist_ok=True)
-
-
-def write_process_configs(config: RLConfig, run_dir: Path) -> None:
-    for name in ("inference", "orchestrator", "trainer"):
-        path = config_path(run_dir, name)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(path, getattr(config, name).model_dump(mode="json"))
-
-
-def process_specs(config: RLConfig, run_dir: Path) -> list[ProcessSpec]:
-    python = sys.executable
-    # One thread per process: the processes share the cores (docs/machine_facts.md), and
-    # OMP_WAIT_POLICY=PASSIVE stops idle OpenMP threads from spinning.
-    quiet = {"OMP_WAIT_POLICY": "PASSIVE", "TOKENIZERS_PARALLELISM": "false"}
-    ranks = config.orchestrator.num_trainer_ranks
-    trainer_cmd = [python, "-m", "trainer.rl", "--config", str(config_path(run_dir, "trainer"))]
-    if ranks > 1:
-        trainer_cmd = [python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", *trainer_cmd[1:]]
-    return [
-        ProcessSpec("inference", [python, "-m", "inference.server", "--config", str(config_path(run_dir, "inference"))],
-                    env={}, required=False),
-        ProcessSpec("orchestrator", [python, "-m", "orchestrator.main", "--config", str(config_path(run_dir, "orchestrator"))],
-                    env={**quiet, "OMP_NUM_THREADS": "1"}),
-        ProcessSpec("trainer", trainer_cmd, env={**quiet, "OMP_NUM_THREADS": str(config.trainer.num_threads)}),
-    ]
 
 
 # --------------------------------------------------------------------------- sft
@@ -454,18 +478,13 @@ def eval_process_specs(config: EvalRunConfig, run_dir: Path) -> list[ProcessSpec
     quiet = {"OMP_WAIT_POLICY": "PASSIVE", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
     specs = []
     if config.target.type == "local":
-        write_config(config_path(run_dir, "inference"), config.inference.model_dump(mode="json"))
+        write_config(run_dir, "inference", config.inference.model_dump(mode="json"))
         specs.append(ProcessSpec("inference", [python, "-m", "inference.server", "--config", str(config_path(run_dir, "inference"))],
                                  env={}, required=False))
-    write_config(config_path(run_dir, "eval"), config.model_dump(mode="json"))
+    write_config(run_dir, "eval", config.model_dump(mode="json"))
     specs.append(ProcessSpec("eval", [python, "-m", "orchestrator.eval", "--config", str(config_path(run_dir, "eval"))],
                              env=quiet, terminal=True))
     return specs
-
-
-def write_config(path: Path, data: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(path, data)
 
 
 def print_eval_help() -> None:

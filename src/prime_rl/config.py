@@ -214,7 +214,10 @@ class TransportConfig(StrictModel):
     """Transport kind; only ZeroMQ for now."""
 
     host: str = "127.0.0.1"
-    """Address the orchestrator binds; trainer rank r connects to `host:port + r`."""
+    """The orchestrator's address: trainer rank r connects to `host:port + r`."""
+
+    bind_host: str | None = None
+    """Address the orchestrator binds, if not `host` (e.g. `0.0.0.0`; set by multi-node SLURM jobs from `slurm.bind_host`)."""
 
     port: int = Field(5555, ge=1024, le=65535)
     """Base port; one port per trainer rank."""
@@ -388,8 +391,10 @@ class TrainerConfig(StrictModel):
 
 
 class ClientConfig(StrictModel):
-    base_url: str = "http://127.0.0.1:8000"
-    """Inference server URL (without `/v1`)."""
+    base_url: str | list[str] = "http://127.0.0.1:8000"
+    """Inference server URL (without `/v1`), or one URL per vLLM replica: requests go to the
+    replica with the fewest in flight, and every replica reloads each new policy. Filled from
+    `[inference]` and `[deployment]` in an RL run."""
 
     api_key: str | None = None
     """Bearer key for the inference server, if it requires one."""
@@ -408,6 +413,23 @@ class ClientConfig(StrictModel):
 
     startup_timeout_s: float = Field(900.0, gt=0)
     """Longest wait for the inference server to become healthy (vLLM takes 30-75 s on CPU, minutes for large models)."""
+
+    verify_reload: bool = False
+    """After each reload, score one fixed prompt on every replica and fail the run if their
+    logprobs differ (a replica left on old weights); the values are logged as
+    `weights/probe_logprob/<replica>`. One short request per replica per reload."""
+
+    @property
+    def urls(self) -> list[str]:
+        """Every inference server (replica) URL, without a trailing slash."""
+        urls = [self.base_url] if isinstance(self.base_url, str) else list(self.base_url)
+        return [url.rstrip("/") for url in urls]
+
+    @model_validator(mode="after")
+    def _some_url(self) -> ClientConfig:
+        if isinstance(self.base_url, list) and not self.base_url:
+            raise ValueError("base_url: expected a URL or a non-empty list of URLs (one per replica)")
+        return self
 
 
 class AdvantageConfig(StrictModel):
@@ -494,7 +516,7 @@ class OrchestratorConfig(StrictModel):
     """Samples per micro-batch sent to the trainer."""
 
     num_trainer_ranks: int = Field(1, ge=1)
-    """Trainer ranks; each gets its own slice of every step's batch."""
+    """Trainer ranks; each gets its own share of every step's samples, balanced by token count (filled from `[deployment]` in an RL run)."""
 
     max_steps: int = Field(20, ge=1)
     """Number of steps to produce batches for."""
@@ -524,9 +546,9 @@ class OrchestratorConfig(StrictModel):
             raise ValueError(
                 f"batch_size ({self.batch_size}) must be divisible by rollouts_per_example ({self.rollouts_per_example})"
             )
-        if self.batch_size % self.num_trainer_ranks:
+        if self.batch_size < self.num_trainer_ranks:
             raise ValueError(
-                f"batch_size ({self.batch_size}) must split evenly over num_trainer_ranks ({self.num_trainer_ranks})"
+                f"batch_size ({self.batch_size}) must be at least num_trainer_ranks ({self.num_trainer_ranks}): every rank needs a sample"
             )
         return self
 
@@ -569,6 +591,9 @@ class InferenceConfig(StrictModel):
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     """Fraction of GPU memory vLLM may use (GPU machines)."""
 
+    tensor_parallel_size: int = Field(1, ge=1)
+    """GPUs per vLLM replica (`--tensor-parallel-size`); `deployment.inference_gpus` / this = replicas."""
+
     cpu_threads_bind: str | None = None
     """VLLM_CPU_OMP_THREADS_BIND (e.g. `0` or `0-1`); None leaves vLLM's default."""
 
@@ -592,6 +617,77 @@ class InferenceConfig(StrictModel):
         if self.lora_modules and self.max_lora_rank is None:
             raise ValueError("lora_modules: set max_lora_rank too (the largest adapter rank to serve)")
         return self
+
+
+# --------------------------------------------------------------------------- placement
+
+
+class DeploymentConfig(StrictModel):
+    """How one node's GPUs are split between inference and the trainer (`[deployment]`). The
+    launcher gives each process its GPUs through CUDA_VISIBLE_DEVICES: inference the first
+    `inference_gpus`, the trainer the next `trainer_gpus`. On a machine without GPUs the same
+    numbers select CPU processes: vLLM-CPU replicas and gloo trainer ranks."""
+
+    inference_gpus: int = Field(1, ge=1)
+    """GPUs for inference: one vLLM server (replica) per `inference.tensor_parallel_size` of them, on ports `inference.port`, +1, ...; the orchestrator spreads requests over all of them."""
+
+    trainer_gpus: int = Field(1, ge=1)
+    """GPUs for the trainer: `torchrun --nproc-per-node`, one FSDP2 rank each (1 = a plain process)."""
+
+
+class SlurmConfig(StrictModel):
+    """`prime-rl CONFIG.toml --slurm`: the sbatch job that runs this config (`[slurm]`)."""
+
+    nodes: int = Field(1, ge=1)
+    """Nodes of the job. One: the whole trio on it, GPUs split by `[deployment]`. Several: the first `inference_nodes` run vLLM replicas on all their GPUs, the rest run the trainer (multi-node torchrun on all their GPUs) and, on the first of them, the orchestrator."""
+
+    inference_nodes: int = Field(0, ge=0)
+    """With nodes > 1: how many (the first ones) run inference; at least 1, fewer than `nodes`."""
+
+    gpus_per_node: int = Field(8, ge=0)
+    """GPUs to request per node (`--gpus-per-node`); 0 = CPU nodes (one replica or trainer rank per node)."""
+
+    partition: str | None = None
+    """`--partition`; None = the cluster's default."""
+
+    account: str | None = None
+    """`--account`; None = the user's default."""
+
+    time: str = "24:00:00"
+    """`--time` limit of the job."""
+
+    job_name: str | None = None
+    """`--job-name`; None = `prime-rl-<output_dir's name>`."""
+
+    cpus_per_node: int | None = Field(None, ge=1)
+    """`--cpus-per-task` of each node's one task; None = the cluster's default."""
+
+    bind_host: str | None = None
+    """Address every socket binds on its node in a multi-node job (vLLM, the orchestrator's ZeroMQ, torchrun's rendezvous); None = the node's own address as SLURM knows it (`NodeAddr`). Single-node jobs stay on 127.0.0.1."""
+
+    rdzv_port: int = Field(29500, ge=1024, le=65535)
+    """Port of torchrun's c10d rendezvous on the first trainer node."""
+
+    setup: list[str] = []
+    """Shell lines run on every node before the job starts (`module load ...`, `source .venv/bin/activate`)."""
+
+    sbatch_args: list[str] = []
+    """Extra `#SBATCH` options as written, e.g. `--exclusive` or `--mem=0`."""
+
+    @model_validator(mode="after")
+    def _split(self) -> SlurmConfig:
+        if self.nodes > 1 and not 1 <= self.inference_nodes < self.nodes:
+            raise ValueError(
+                f"inference_nodes: with nodes = {self.nodes}, expected 1 to {self.nodes - 1} inference nodes "
+                f"(the rest train), got {self.inference_nodes}"
+            )
+        if self.nodes == 1 and self.inference_nodes:
+            raise ValueError("inference_nodes: a single-node job runs inference beside the trainer; set nodes > 1 or leave it 0")
+        return self
+
+    @property
+    def multi_node(self) -> bool:
+        return self.nodes > 1
 
 
 # --------------------------------------------------------------------------- root (RL)
@@ -674,6 +770,12 @@ class RLConfig(StrictModel):
     inference: InferenceConfig = InferenceConfig()
     """Inference process."""
 
+    deployment: DeploymentConfig = DeploymentConfig()
+    """GPUs for inference and for the trainer on one node."""
+
+    slurm: SlurmConfig | None = None
+    """The SLURM job for `prime-rl CONFIG.toml --slurm`; None = no SLURM settings."""
+
     @model_validator(mode="before")
     @classmethod
     def _propagate_shared(cls, data: Any) -> Any:
@@ -681,11 +783,64 @@ class RLConfig(StrictModel):
             propagate_shared(data)
         return data
 
+    @property
+    def num_replicas(self) -> int:
+        """vLLM servers of the run: per node `[deployment]`'s split, or whole inference nodes."""
+        tp = self.inference.tensor_parallel_size
+        if self.slurm is not None and self.slurm.multi_node:
+            return self.slurm.inference_nodes * max(1, self.slurm.gpus_per_node // tp)
+        return self.deployment.inference_gpus // tp
+
+    @property
+    def num_trainer_ranks(self) -> int:
+        if self.slurm is not None and self.slurm.multi_node:
+            return (self.slurm.nodes - self.slurm.inference_nodes) * max(1, self.slurm.gpus_per_node)
+        return self.deployment.trainer_gpus
+
+    def replica_urls(self, hosts: list[str] | None = None) -> list[str]:
+        """One URL per replica: ports `inference.port`, +1, ... on each host (default: inference.host)."""
+        hosts = hosts or [self.inference.host]
+        per_host = self.num_replicas // len(hosts)
+        return [f"http://{host}:{self.inference.port + i}" for host in hosts for i in range(per_host)]
+
+    def _placement(self) -> None:
+        """Trainer ranks and replicas come from `[deployment]` (or `[slurm]`'s nodes);
+        `orchestrator.num_trainer_ranks`, the older spelling, still works on one node."""
+        deployment, orchestrator, tp = self.deployment, self.orchestrator, self.inference.tensor_parallel_size
+        if deployment.inference_gpus % tp:
+            raise ValueError(
+                f"deployment.inference_gpus ({deployment.inference_gpus}) must be a multiple of "
+                f"inference.tensor_parallel_size ({tp}): each replica takes {tp} GPUs"
+            )
+        needed = deployment.inference_gpus + deployment.trainer_gpus
+        if self.slurm is not None and not self.slurm.multi_node and 0 < self.slurm.gpus_per_node < needed:
+            raise ValueError(
+                f"slurm.gpus_per_node ({self.slurm.gpus_per_node}) is less than the {needed} GPUs [deployment] "
+                f"splits on one node (inference_gpus {deployment.inference_gpus} + trainer_gpus {deployment.trainer_gpus})"
+            )
+        if self.slurm is not None and self.slurm.multi_node and 0 < self.slurm.gpus_per_node < tp:
+            raise ValueError(f"inference.tensor_parallel_size ({tp}) exceeds slurm.gpus_per_node ({self.slurm.gpus_per_node})")
+        if "num_trainer_ranks" in orchestrator.model_fields_set and not (self.slurm and self.slurm.multi_node):
+            if "trainer_gpus" in deployment.model_fields_set and deployment.trainer_gpus != orchestrator.num_trainer_ranks:
+                raise ValueError(
+                    f"conflicting values: `deployment.trainer_gpus` = {deployment.trainer_gpus} but "
+                    f"`orchestrator.num_trainer_ranks` = {orchestrator.num_trainer_ranks}; set deployment.trainer_gpus only"
+                )
+            deployment.trainer_gpus = orchestrator.num_trainer_ranks
+        orchestrator.num_trainer_ranks = self.num_trainer_ranks
+        if orchestrator.batch_size < orchestrator.num_trainer_ranks:
+            raise ValueError(
+                f"batch_size ({orchestrator.batch_size}) must be at least the trainer's ranks "
+                f"({orchestrator.num_trainer_ranks}): every rank needs a sample"
+            )
+
     @model_validator(mode="after")
     def _consistent(self) -> RLConfig:
+        self._placement()
         client = self.orchestrator.client
         if "base_url" not in client.model_fields_set:
-            client.base_url = f"http://{self.inference.host}:{self.inference.port}"
+            urls = self.replica_urls()
+            client.base_url = urls[0] if len(urls) == 1 else urls
             client.model_fields_set.discard("base_url")
         if client.api_key is None and self.inference.api_key is not None:
             client.api_key = self.inference.api_key

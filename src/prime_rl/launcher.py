@@ -118,7 +118,8 @@ class Launcher:
                     continue
                 if code != 0 or not spec.required:
                     raise ProcessFailed(spec.name, code, None if spec.terminal else log_path(self.run_dir, spec.name))
-            if all(self.procs[name].poll() == 0 for name in required):
+            # A node that only serves (a SLURM inference node) runs until it is stopped.
+            if required and all(self.procs[name].poll() == 0 for name in required):
                 return
             time.sleep(self.poll_s)
 
@@ -179,7 +180,10 @@ class TmuxView:
 
     @staticmethod
     def _follow(log: Path) -> str:
-        return f"tail -n +1 -F {str(log)!r}"
+        """A pane's command: follow the log while the launcher lives. When the launcher dies,
+        even by SIGKILL (a SLURM step's end), the panes end, and with them the session and
+        the tmux server: nothing outlives the run."""
+        return f"tail -n +1 -F --pid={os.getpid()} {str(log)!r}"
 
     def close(self) -> None:
         try:

@@ -1,0 +1,251 @@
+"""Where each process runs: GPUs on one node, and nodes of a SLURM job.
+
+One node (`[deployment]`): inference takes GPUs 0..I-1, one vLLM server (replica) per
+`inference.tensor_parallel_size` of them, on ports `inference.port`, +1, ...; the trainer
+takes the next T GPUs under `torchrun --nproc-per-node T` (FSDP2); the orchestrator needs
+no GPU. Each process sees only its own GPUs (CUDA_VISIBLE_DEVICES). On a machine without
+GPUs the same numbers mean CPU processes: vLLM-CPU replicas and gloo trainer ranks.
+
+Several nodes (`[slurm]` with nodes > 1): the first `inference_nodes` nodes run replicas
+on all their GPUs, the others run one multi-node torchrun (c10d rendezvous on the first
+trainer node), and the first trainer node also runs the orchestrator. Every socket binds
+the address the config names (`slurm.bind_host`, default the node's own address); on
+one node everything stays on 127.0.0.1.
+
+This module plans and writes each process's config; ``prime_rl.launcher`` runs them.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from prime_rl.config import InferenceConfig, RLConfig
+from prime_rl.launcher import ProcessSpec
+from prime_rl.rundir import config_path, write_json_atomic
+
+# One thread per process: the processes share the cores (docs/machine_facts.md), and
+# OMP_WAIT_POLICY=PASSIVE stops idle OpenMP threads from spinning.
+QUIET = {"OMP_WAIT_POLICY": "PASSIVE", "TOKENIZERS_PARALLELISM": "false"}
+
+
+class PlacementError(ValueError):
+    """The config asks for GPUs or nodes this machine or job does not have."""
+
+
+@dataclass(frozen=True)
+class Replica:
+    index: int
+    node: int
+    host: str
+    """Address the server binds."""
+
+    url: str
+    """Address the orchestrator reaches it at."""
+
+    port: int
+    gpus: tuple[int, ...]
+    """CUDA devices of the node it sees (empty on CPU)."""
+
+
+@dataclass(frozen=True)
+class TrainerPlacement:
+    nnodes: int
+    nproc_per_node: int
+    gpus: tuple[int, ...]
+    rdzv_endpoint: str | None = None
+    """`host:port` of the c10d rendezvous in a multi-node job; None on one node."""
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.nproc_per_node
+
+
+@dataclass(frozen=True)
+class NodePlan:
+    node: int
+    host: str
+    replicas: tuple[Replica, ...]
+    trainer: TrainerPlacement | None
+    trainer_node_rank: int | None
+    orchestrator: bool
+
+
+@dataclass(frozen=True)
+class Placement:
+    device: str
+    """`cuda` or `cpu`."""
+
+    nodes: tuple[NodePlan, ...]
+    orchestrator_host: str
+    bind_host: str | None
+    """What sockets bind beyond their own defaults (multi-node); None = stay on the config's hosts."""
+
+    @property
+    def replicas(self) -> list[Replica]:
+        return [r for node in self.nodes for r in node.replicas]
+
+    @property
+    def trainer(self) -> TrainerPlacement:
+        return next(node.trainer for node in self.nodes if node.trainer is not None)
+
+
+# --------------------------------------------------------------------------- planning
+
+
+def count_gpus() -> int:
+    """GPUs this process may use: CUDA_VISIBLE_DEVICES when set, else `nvidia-smi -L`."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
+    if shutil.which("nvidia-smi") is None:
+        return 0
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30, check=False).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    return sum(line.startswith("GPU ") for line in out.splitlines())
+
+
+def plan_single_node(config: RLConfig, gpus_available: int) -> Placement:
+    """The trio on this machine, GPUs split by `[deployment]` (CPU processes without GPUs)."""
+    deployment, inference = config.deployment, config.inference
+    needed = deployment.inference_gpus + deployment.trainer_gpus
+    if 0 < gpus_available < needed:
+        raise PlacementError(
+            f"deployment: needs {needed} GPUs (inference_gpus {deployment.inference_gpus} + trainer_gpus "
+            f"{deployment.trainer_gpus}), this machine shows {gpus_available}"
+        )
+    cuda = gpus_available > 0
+    tp = inference.tensor_parallel_size
+    replicas = tuple(
+        Replica(
+            index=i, node=0, host=inference.host, url=url, port=inference.port + i,
+            gpus=tuple(range(i * tp, (i + 1) * tp)) if cuda else (),
+        )
+        for i, url in enumerate(config.replica_urls())
+    )
+    first = deployment.inference_gpus
+    trainer = TrainerPlacement(
+        nnodes=1, nproc_per_node=deployment.trainer_gpus,
+        gpus=tuple(range(first, first + deployment.trainer_gpus)) if cuda else (),
+    )
+    node = NodePlan(0, "localhost", replicas, trainer, 0, orchestrator=True)
+    return Placement("cuda" if cuda else "cpu", (node,), config.orchestrator.transport.host, bind_host=None)
+
+
+def plan_multi_node(config: RLConfig, addresses: list[str]) -> Placement:
+    """A SLURM job's nodes (by address, in SLURM's order): inference nodes first, then trainers."""
+    slurm = config.slurm
+    assert slurm is not None and slurm.multi_node
+    if len(addresses) != slurm.nodes:
+        raise PlacementError(f"slurm.nodes is {slurm.nodes} but the job has {len(addresses)} nodes: {','.join(addresses)}")
+    gpus, tp, port = slurm.gpus_per_node, config.inference.tensor_parallel_size, config.inference.port
+    per_node = max(1, gpus // tp)
+    trainer_hosts = addresses[slurm.inference_nodes :]
+    trainer = TrainerPlacement(
+        nnodes=len(trainer_hosts), nproc_per_node=max(1, gpus), gpus=tuple(range(gpus)),
+        rdzv_endpoint=f"{trainer_hosts[0]}:{slurm.rdzv_port}",
+    )
+    nodes = []
+    for n, address in enumerate(addresses):
+        bind = slurm.bind_host or address
+        if n < slurm.inference_nodes:
+            replicas = tuple(
+                Replica(
+                    index=n * per_node + j, node=n, host=bind, url=f"http://{address}:{port + j}", port=port + j,
+                    gpus=tuple(range(j * tp, (j + 1) * tp)) if gpus else (),
+                )
+                for j in range(per_node)
+            )
+            nodes.append(NodePlan(n, address, replicas, None, None, orchestrator=False))
+        else:
+            rank = n - slurm.inference_nodes
+            nodes.append(NodePlan(n, address, (), trainer, rank, orchestrator=rank == 0))
+    return Placement("cuda" if gpus else "cpu", tuple(nodes), trainer_hosts[0], bind_host=slurm.bind_host)
+
+
+def describe(placement: Placement) -> list[str]:
+    """The placement in a few lines, for `--dry-run` and the start of a run."""
+
+    def devices(gpus: tuple[int, ...]) -> str:
+        return f"GPU {','.join(map(str, gpus))}" if gpus else "CPU"
+
+    lines = []
+    multi = len(placement.nodes) > 1
+    for node in placement.nodes:
+        where = f"node {node.node} ({node.host}): " if multi else ""
+        for r in node.replicas:
+            lines.append(f"{where}inference replica {r.index}: vLLM on {devices(r.gpus)}, serving {r.url}")
+        if node.orchestrator:
+            lines.append(f"{where}orchestrator: CPU, {len(placement.replicas)} replica(s), batches to trainer ranks at {placement.orchestrator_host}")
+        if node.trainer is not None:
+            t = node.trainer
+            how = "one process" if t.world_size == 1 else f"torchrun, {t.nproc_per_node} rank(s) per node"
+            if t.nnodes > 1:
+                how += f", node rank {node.trainer_node_rank} of {t.nnodes}, rendezvous {t.rdzv_endpoint}"
+            lines.append(f"{where}trainer: {how} on {devices(t.gpus)} ({t.world_size} FSDP2 rank(s) in all)")
+    return lines
+
+
+# --------------------------------------------------------------------------- processes
+
+
+def process_specs(config: RLConfig, run_dir: Path, placement: Placement, node: int = 0, job_id: str = "") -> list[ProcessSpec]:
+    """Write the configs of ``node``'s processes to RUN/configs/ and return how to start them."""
+    plan = placement.nodes[node]
+    python = sys.executable
+    specs = [replica_spec(config, run_dir, r, python, multi=len(placement.replicas) > 1) for r in plan.replicas]
+    if plan.orchestrator:
+        orchestrator = config.orchestrator.model_copy(deep=True)
+        urls = [r.url for r in placement.replicas]
+        orchestrator.client.base_url = urls[0] if len(urls) == 1 else urls
+        orchestrator.transport.host = placement.orchestrator_host
+        orchestrator.transport.bind_host = placement.bind_host or orchestrator.transport.bind_host
+        path = write_config(run_dir, "orchestrator", orchestrator.model_dump(mode="json"))
+        specs.append(ProcessSpec("orchestrator", [python, "-m", "orchestrator.main", "--config", str(path)],
+                                 env={**QUIET, "OMP_NUM_THREADS": "1"}))
+    if plan.trainer is not None:
+        specs.append(trainer_spec(config, run_dir, placement, plan, python, job_id))
+    return specs
+
+
+def replica_spec(config: RLConfig, run_dir: Path, replica: Replica, python: str, multi: bool) -> ProcessSpec:
+    name = f"inference-{replica.index}" if multi else "inference"
+    inference: InferenceConfig = config.inference.model_copy(update={"host": replica.host, "port": replica.port})
+    path = write_config(run_dir, name, inference.model_dump(mode="json"))
+    return ProcessSpec(name, [python, "-m", "inference.server", "--config", str(path)], env=visible(replica.gpus), required=False)
+
+
+def trainer_spec(config: RLConfig, run_dir: Path, placement: Placement, plan: NodePlan, python: str, job_id: str) -> ProcessSpec:
+    """One process, torchrun on one node, or this node's part of a multi-node torchrun."""
+    t = plan.trainer
+    trainer = config.trainer.model_copy(deep=True)
+    trainer.transport.host = placement.orchestrator_host
+    name = "trainer" if not plan.trainer_node_rank else f"trainer-{plan.trainer_node_rank}"
+    path = write_config(run_dir, name, trainer.model_dump(mode="json"))
+    cmd = [python, "-m", "trainer.rl", "--config", str(path)]
+    if t.nnodes > 1:
+        cmd = [python, "-m", "torch.distributed.run", f"--nnodes={t.nnodes}", f"--nproc-per-node={t.nproc_per_node}",
+               f"--node-rank={plan.trainer_node_rank}", "--rdzv-backend=c10d", f"--rdzv-endpoint={t.rdzv_endpoint}",
+               f"--rdzv-id={job_id or 'prime-rl'}", *cmd[1:]]
+    elif t.nproc_per_node > 1:
+        cmd = [python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={t.nproc_per_node}", *cmd[1:]]
+    env = {**QUIET, "OMP_NUM_THREADS": str(config.trainer.num_threads), **visible(t.gpus)}
+    return ProcessSpec(name, cmd, env=env)
+
+
+def visible(gpus: tuple[int, ...]) -> dict[str, str]:
+    """CUDA_VISIBLE_DEVICES for a process's GPUs (nothing on CPU)."""
+    return {"CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus))} if gpus else {}
+
+
+def write_config(run_dir: Path, name: str, data: dict) -> Path:
+    path = config_path(run_dir, name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(path, data)
+    return path
