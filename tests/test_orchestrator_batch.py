@@ -45,24 +45,61 @@ def test_mismatched_logprobs_fail():
         to_sample(ScoredRollout(bad, 0.0, 0), seq_len=16)
 
 
+def sized(example_id: int, tokens: int) -> Rollout:
+    """A one-turn rollout of ``tokens`` tokens (the last one sampled)."""
+    return Rollout(example_id, [Turn(list(range(1, tokens)), [9], [-0.1])], 1.0)
+
+
+def rank_samples(batch) -> list:
+    return [s for m in batch.micro_batches for s in m.samples]
+
+
 def test_rank_split_and_micro_batches():
-    items = [ScoredRollout(single(example_id=i), advantage=float(i), policy_version=1) for i in range(8)]
+    items = [ScoredRollout(single(example_id=i // 2), advantage=float(i), policy_version=1) for i in range(8)]
     batches = pack_batches(items, step=5, num_ranks=2, micro_batch_size=3, temperature=0.7, seq_len=16)
     assert [b.rank for b in batches] == [0, 1]
     for rank, batch in enumerate(batches):
         assert (batch.schema_version, batch.step, batch.temperature) == (SCHEMA_VERSION, 5, 0.7)
         assert [len(m.samples) for m in batch.micro_batches] == [3, 1]  # 4 per rank; the last micro-batch is short
-        ids = [s.example_id for m in batch.micro_batches for s in m.samples]
-        assert ids == list(range(rank * 4, rank * 4 + 4))  # contiguous slices, order kept
         decoded = decode_batch(encode_batch(batch), expected_step=5, expected_rank=rank)
         assert decoded == batch
+    # 4 groups of 2 equal samples: LPT deals them out in turn; each rank keeps the original order
+    assert [[s.advantage for s in rank_samples(b)] for b in batches] == [[0, 1, 4, 5], [2, 3, 6, 7]]
 
 
-def test_uneven_rank_split_gives_near_equal_contiguous_slices():
+def test_ranks_get_whole_groups_balanced_by_tokens():
+    # Groups of 2 (tokens): ex0 10, ex1 16, ex2 6, ex3 8. Largest first, to the lighter rank:
+    # ex1 -> r0 (16), ex0 -> r1 (10), ex3 -> r1 (18), ex2 -> r0 (22). Contiguous halves
+    # would have been 26 vs 14.
+    lengths = {0: 5, 1: 8, 2: 3, 3: 4}
+    items = [ScoredRollout(sized(ex, lengths[ex]), 0.0, 0) for ex in range(4) for _ in range(2)]
+    batches = pack_batches(items, step=0, num_ranks=2, micro_batch_size=3, temperature=1.0, seq_len=16)
+    assert [[s.example_id for s in rank_samples(b)] for b in batches] == [[1, 1, 2, 2], [0, 0, 3, 3]]
+    assert [[len(m.samples) for m in b.micro_batches] for b in batches] == [[3, 1], [3, 1]]
+
+
+def test_tokens_are_counted_after_truncation():
+    # Lengths 20, 5, 4, 3 cut at seq_len 6 weigh 6, 5, 4, 3: 6 -> r0, 5 -> r1, 4 -> r1 (9),
+    # 3 -> r0 (9). Untruncated, 20 would outweigh the rest and r1 would get 5, 4 and 3.
+    items = [ScoredRollout(sized(ex, n), 0.0, 0) for ex, n in enumerate([20, 5, 4, 3])]
+    batches = pack_batches(items, step=0, num_ranks=2, micro_batch_size=4, temperature=1.0, seq_len=6)
+    assert [[s.example_id for s in rank_samples(b)] for b in batches] == [[0, 3], [1, 2]]
+
+
+def test_fewer_groups_than_ranks_split_groups_into_samples():
+    # 2 groups on 3 ranks; single samples of 6, 3, 4, 4 tokens: 6 -> r0, 4 (ex1) -> r1,
+    # 4 (ex1) -> r2, 3 (ex0) -> r1 (the lower of the two ranks at 4), kept in original order.
+    items = [ScoredRollout(sized(ex, n), 0.0, 0) for ex, n in [(0, 6), (0, 3), (1, 4), (1, 4)]]
+    batches = pack_batches(items, step=0, num_ranks=3, micro_batch_size=4, temperature=1.0, seq_len=16)
+    per_rank = [[(s.example_id, len(sample_arrays(s)[0])) for s in rank_samples(b)] for b in batches]
+    assert per_rank == [[(0, 6)], [(0, 3), (1, 4)], [(1, 4)]]
+
+
+def test_every_rank_gets_work_or_packing_fails():
     items = [ScoredRollout(single(example_id=i), 0.0, 0) for i in range(6)]
     batches = pack_batches(items, step=1, num_ranks=4, micro_batch_size=2, temperature=1.0, seq_len=16)
-    ids = [[s.example_id for m in b.micro_batches for s in m.samples] for b in batches]
-    assert ids == [[0, 1], [2], [3], [4, 5]]  # every rank gets work; the trainer keeps ranks in lockstep
+    ids = [[s.example_id for s in rank_samples(b)] for b in batches]
+    assert ids == [[0, 4], [1, 5], [2], [3]]  # unequal counts: the trainer keeps ranks in lockstep
     with pytest.raises(ValueError, match="1 samples cannot feed 2 trainer ranks"):
         pack_batches(items[:1], step=1, num_ranks=2, micro_batch_size=2, temperature=1.0, seq_len=16)
 

@@ -9,10 +9,15 @@ With ``per_turn`` (chat templates that rewrite earlier turns), every turn is a s
 its own: its prompt (the whole conversation so far, as rendered) and its completion, with
 the rollout's advantage.
 
-Every rank gets a contiguous slice of the samples (so groups mostly stay together), as
-equal as the count allows, then micro-batches of ``micro_batch_size``; the last one of a
-rank may be smaller. A rank with fewer micro-batches joins the others' passes with empty
-ones (the trainer keeps FSDP ranks in lockstep).
+Ranks get shares of equal token count, not of equal sample count: a rank's step time
+grows with its tokens, and every rank waits for the slowest. Whole groups (the adjacent
+samples of one example) go to ranks largest first, each to the rank with the fewest tokens
+so far (LPT); with fewer groups than ranks, single samples do. A rank keeps its samples in
+their original order, so a group stays adjacent and the trainer can share its prompt
+within a micro-batch. Each rank's samples are cut into micro-batches of
+``micro_batch_size``; the last one may be smaller, and ranks may get different counts: a
+rank with fewer micro-batches joins the others' passes with empty ones (the trainer keeps
+FSDP ranks in lockstep).
 """
 
 from __future__ import annotations
@@ -88,16 +93,22 @@ def pack_batches(
     seq_len: int,
     per_turn: bool = False,
 ) -> list[TrainBatch]:
-    """One ``TrainBatch`` per rank (index = rank), in the order of ``items``."""
+    """One ``TrainBatch`` per rank (index = rank); ``items`` arrive group by group."""
+    samples = [sample for item in items for sample in to_samples(item, seq_len, per_turn)]
+    return pack_samples(
+        samples, step=step, num_ranks=num_ranks, micro_batch_size=micro_batch_size, temperature=temperature
+    )
+
+
+def pack_samples(
+    samples: Sequence[Sample], *, step: int, num_ranks: int, micro_batch_size: int, temperature: float
+) -> list[TrainBatch]:
+    """One ``TrainBatch`` per rank from built samples: a fresh step's, or a recorded step's
+    gathered from its frames when a resume runs on another number of ranks."""
     if num_ranks < 1 or micro_batch_size < 1:
         raise ValueError(f"num_ranks ({num_ranks}) and micro_batch_size ({micro_batch_size}) must be >= 1")
-    samples = [sample for item in items for sample in to_samples(item, seq_len, per_turn)]
-    if len(samples) < num_ranks:
-        raise ValueError(f"{len(samples)} samples cannot feed {num_ranks} trainer ranks")
-    bounds = np.linspace(0, len(samples), num_ranks + 1).round().astype(int)  # contiguous, near-equal slices
     batches = []
-    for rank in range(num_ranks):
-        mine = samples[bounds[rank] : bounds[rank + 1]]
+    for rank, mine in enumerate(balance_ranks(samples, num_ranks)):
         micro = [MicroBatch(mine[i : i + micro_batch_size]) for i in range(0, len(mine), micro_batch_size)]
         batches.append(
             TrainBatch(
@@ -105,3 +116,42 @@ def pack_batches(
             )
         )
     return batches
+
+
+def balance_ranks(samples: Sequence[Sample], num_ranks: int) -> list[list[Sample]]:
+    """Each rank's samples, in their original order, with token counts as equal as whole
+    groups allow (LPT: largest group first, each to the rank with the fewest tokens so far;
+    ties go to the lower rank). With fewer groups than ranks, single samples are the units,
+    so that every rank still gets work."""
+    if len(samples) < num_ranks:
+        raise ValueError(f"{len(samples)} samples cannot feed {num_ranks} trainer ranks")
+    units = example_groups(samples)
+    if len(units) < num_ranks:
+        units = [range(i, i + 1) for i in range(len(samples))]
+    tokens = [sum(sample_tokens(samples[i]) for i in unit) for unit in units]
+    loads = [0] * num_ranks
+    owner = [0] * len(samples)  # rank of each sample
+    for u in sorted(range(len(units)), key=lambda u: -tokens[u]):  # stable: equal sizes keep their order
+        rank = min(range(num_ranks), key=loads.__getitem__)
+        loads[rank] += tokens[u]
+        for i in units[u]:
+            owner[i] = rank
+    return [[sample for sample, r in zip(samples, owner) if r == rank] for rank in range(num_ranks)]
+
+
+def example_groups(samples: Sequence[Sample]) -> list[range]:
+    """Index ranges of the runs of adjacent samples with the same ``example_id``: one
+    example's rollouts (with ``per_turn``, their turns). Two groups of one example that
+    happen to be adjacent form one run, which only makes the balance coarser."""
+    groups: list[range] = []
+    start = 0
+    for i in range(1, len(samples) + 1):
+        if i == len(samples) or samples[i].example_id != samples[start].example_id:
+            groups.append(range(start, i))
+            start = i
+    return groups
+
+
+def sample_tokens(sample: Sample) -> int:
+    """Tokens of a sample, already cut at ``seq_len`` (``input_ids`` is int32, 4 bytes each)."""
+    return len(sample.input_ids) // 4

@@ -14,7 +14,9 @@ trajectory the checkpoint is part of) and samples on from the data cursor after 
 of them. Later records came from weights the restart discards; they are deleted, and
 their steps are sampled again from the same cursor, so the same prompts come in the same
 order. Records older than the oldest complete trainer checkpoint (minus one, whose
-cursor a resume may need) are pruned.
+cursor a resume may need) are pruned. A resume on another number of trainer ranks
+re-packs each recorded batch for them (``repacked_frames``): the same samples, balanced
+the way a fresh step is.
 """
 
 from __future__ import annotations
@@ -35,6 +37,9 @@ from prime_rl.rundir import (
     write_json_atomic,
     write_step_dir,
 )
+from prime_rl.wire import decode_batch, encode_batch
+
+from orchestrator.batch import pack_samples
 
 PROGRESS_FILE = "progress.json"
 
@@ -107,7 +112,7 @@ class ResumePlan:
     """Data order state before ``next_step``."""
 
 
-def plan_resume(run_dir: Path, resume_step: int, data: dict, num_ranks: int) -> ResumePlan:
+def plan_resume(run_dir: Path, resume_step: int, data: dict) -> ResumePlan:
     """What to re-send and where to continue after a restart from checkpoint ``resume_step``.
 
     Deletes the records this resume supersedes (sampled by weights newer than the checkpoint).
@@ -115,7 +120,7 @@ def plan_resume(run_dir: Path, resume_step: int, data: dict, num_ranks: int) -> 
     replay: list[StepRecord] = []
     step = resume_step
     while (record := load_record(run_dir, step)) is not None and record.max_version <= resume_step:
-        check_compatible(record, data, num_ranks, run_dir)
+        check_compatible(record, data, run_dir)
         replay.append(record)
         step += 1
     if record is not None:  # recorded, but sampled by weights the restart discards
@@ -123,7 +128,7 @@ def plan_resume(run_dir: Path, resume_step: int, data: dict, num_ranks: int) -> 
     elif replay:
         cursor = replay[-1].cursor_after
     elif (previous := load_record(run_dir, resume_step - 1)) is not None:
-        check_compatible(previous, data, num_ranks, run_dir)
+        check_compatible(previous, data, run_dir)
         cursor = previous.cursor_after
     else:
         raise ResumeError(
@@ -136,16 +141,36 @@ def plan_resume(run_dir: Path, resume_step: int, data: dict, num_ranks: int) -> 
     return ResumePlan(replay=replay, next_step=step, cursor=cursor)
 
 
-def check_compatible(record: StepRecord, data: dict, num_ranks: int, run_dir: Path) -> None:
-    """A resume must read the data the way the recorded run did, and feed as many ranks."""
+def check_compatible(record: StepRecord, data: dict, run_dir: Path) -> None:
+    """A resume must read the data the way the recorded run did, or the recorded cursor
+    points at other examples; the number of trainer ranks may change (``repacked_frames``)."""
     changed = [f"{key} was {record.data.get(key)!r}, now {value!r}" for key, value in data.items() if record.data.get(key) != value]
-    if len(record.frames) != num_ranks:
-        changed.append(f"num_trainer_ranks was {len(record.frames)}, now {num_ranks}")
     if changed:
         raise ResumeError(
             f"cannot resume from {rollouts_step_dir(run_dir, record.step)}: the run's data settings changed "
             f"({'; '.join(changed)}); resume with the original settings"
         )
+
+
+def repacked_frames(record: StepRecord, num_ranks: int, micro_batch_size: int) -> list[bytes]:
+    """The record's batch re-packed for ``num_ranks`` trainer ranks (it was made for
+    ``len(record.frames)``): every sample, gathered in rank order so that groups stay
+    adjacent, balanced as a fresh step is, with the record's step and temperature."""
+    try:
+        batches = [
+            decode_batch(frame, expected_step=record.step, expected_rank=rank) for rank, frame in enumerate(record.frames)
+        ]
+        samples = [sample for batch in batches for micro in batch.micro_batches for sample in micro.samples]
+        repacked = pack_samples(
+            samples,
+            step=record.step,
+            num_ranks=num_ranks,
+            micro_batch_size=micro_batch_size,
+            temperature=batches[0].temperature,
+        )
+    except ValueError as e:  # WireError included: a damaged frame
+        raise ResumeError(f"cannot re-pack step {record.step}'s recorded batch for {num_ranks} trainer ranks: {e}") from e
+    return [encode_batch(batch) for batch in repacked]
 
 
 def prune_records(run_dir: Path) -> None:

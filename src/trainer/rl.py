@@ -84,7 +84,7 @@ def train(cfg: TrainerConfig) -> None:
             nonfinite = count_nonfinite(stats, nonfinite, cfg.max_nonfinite_steps, step)
             t_train = time.perf_counter()
             # 3. publish policy version `step + 1` (collective gather, rank 0 writes)
-            save_weights(model, cfg.output_dir, step + 1, cfg.weights.keep_last, cfg.model.name)
+            writers = publish_weights(model, cfg, step + 1, world)
             t_save = time.perf_counter()
             # 4. a resumable checkpoint every ckpt.interval steps and after the last one
             if checkpoint_due(step + 1, cfg.ckpt.interval, cfg.max_steps):
@@ -98,7 +98,8 @@ def train(cfg: TrainerConfig) -> None:
                 "save_weights": t_save - t_train,
                 "save_ckpt": t_ckpt - t_save,
             }
-            metrics.log(step, {**step_metrics(stats, timings, step), "optim/nonfinite_streak": nonfinite, **resume_row})
+            row = {**step_metrics(stats, timings, step), "optim/nonfinite_streak": nonfinite, "weights/writers": writers}
+            metrics.log(step, {**row, **resume_row})
             resume_row = {}
         if world.is_main:
             log(f"done: {cfg.max_steps} steps, weights in {cfg.output_dir / 'weights'}")
@@ -106,6 +107,14 @@ def train(cfg: TrainerConfig) -> None:
         receiver.close()
         metrics.close()
         teardown_world(world)
+
+
+def publish_weights(model: nn.Module, cfg: TrainerConfig, version: int, world: World) -> int:
+    """Write ``weights/step_{version}``; returns how many ranks wrote it, summed over ranks.
+    Logged as ``weights/writers``, it must be 1: every rank gathers, exactly one writes (a
+    second writer would race on the same folder and its marker)."""
+    folder = save_weights(model, cfg.output_dir, version, cfg.weights.keep_last, cfg.model.name)
+    return int(all_reduce(scalar(folder is not None, world), dist.ReduceOp.SUM))
 
 
 def count_nonfinite(stats: dict[str, float], streak: int, limit: int, step: int) -> int:
