@@ -64,10 +64,16 @@ def test_max_tokens_cut_reports_length():
     assert (result.completion_ids, result.finish_reason) == ([*b"cb"], "length")
 
 
-def test_api_key_is_sent_as_bearer():
+def test_api_key_is_sent_as_bearer_on_every_route():
+    """/health too: the server's middleware guards every route (inference.auth)."""
+
+    async def health_then_complete(client):
+        await client.wait_healthy(timeout_s=2)
+        await complete(client, max_tokens=4, temperature=1.0)
+
     with FakeInferenceServer() as server:
-        run_with_client(server, lambda c: complete(c, max_tokens=4, temperature=1.0), api_key="secret")
-    assert server.auth_headers == ["Bearer secret"]
+        run_with_client(server, health_then_complete, api_key="secret")
+    assert server.auth_headers == ["Bearer secret"] * 2
 
 
 def test_concurrency_is_capped():
@@ -313,3 +319,141 @@ def test_a_request_that_keeps_timing_out_fails_naming_the_wait():
     with FakeInferenceServer(delay={"/v1/completions": 1.0}) as server:
         with pytest.raises(InferenceError, match=r"/v1/completions: no answer within 0.3 s \(2 tries\)"):
             run_with_client(server, lambda c: complete(c, max_tokens=4, temperature=1.0), timeout_s=0.3, max_retries=1, retry_backoff_s=0.01)
+
+
+# --------------------------------------------------------------------------- several replicas
+
+
+def run_with_replicas(servers, fn, **config):
+    """``fn(client)`` with one client over every server, one replica each."""
+
+    async def go():
+        client = InferenceClient(ClientConfig(base_url=[s.url for s in servers], **{"timeout_s": 5, **config}), "tiny")
+        try:
+            return await fn(client)
+        finally:
+            await client.close()
+
+    return asyncio.run(go())
+
+
+def completions_served(server):
+    return len([path for _, path, _ in server.calls if path == "/v1/completions"])
+
+
+def test_requests_one_at_a_time_alternate_over_the_replicas():
+    async def four_in_a_row(client):
+        for _ in range(4):
+            await complete(client, max_tokens=4)
+        return client.requests_per_replica()
+
+    with FakeInferenceServer() as a, FakeInferenceServer() as b:
+        counts = run_with_replicas([a, b], four_in_a_row)
+    assert counts == [2, 2] and (completions_served(a), completions_served(b)) == (2, 2)
+
+
+def test_a_request_goes_to_the_replica_with_the_fewest_in_flight():
+    """A's first request is still running: the next three, one at a time, all go to B."""
+
+    async def while_a_is_busy(client):
+        busy = asyncio.ensure_future(complete(client, max_tokens=4))  # replica 0: first in the round robin
+        await asyncio.sleep(0.1)
+        for _ in range(3):
+            await complete(client, max_tokens=4)
+        await busy
+        return client.requests_per_replica()
+
+    with FakeInferenceServer(delay={"/v1/completions": 0.5}) as a, FakeInferenceServer() as b:
+        counts = run_with_replicas([a, b], while_a_is_busy)
+    assert counts == [1, 3] and (completions_served(a), completions_served(b)) == (1, 3)
+
+
+def test_the_concurrency_cap_covers_all_replicas_together():
+    lock, state = threading.Lock(), {"now": 0, "peak": 0}
+
+    def slow(messages, index):
+        with lock:
+            state["now"] += 1
+            state["peak"] = max(state["peak"], state["now"])
+        time.sleep(0.05)
+        with lock:
+            state["now"] -= 1
+        return "x"
+
+    async def many(client):
+        await asyncio.gather(*[complete(client, max_tokens=4) for _ in range(12)])
+        return client.requests_per_replica()
+
+    with FakeInferenceServer(responder=slow) as a, FakeInferenceServer(responder=slow) as b:
+        counts = run_with_replicas([a, b], many, max_concurrency=3)
+    assert sum(counts) == 12 and min(counts) > 0 and state["peak"] <= 3
+
+
+def test_a_reload_reaches_every_replica_and_drains_only_the_busy_one(tmp_path):
+    """A has a generation request in flight, B has none: A pauses and resumes around its
+    reload, B reloads directly; both reset their prefix cache."""
+
+    def slow(messages, index):
+        time.sleep(0.3)
+        return "x"
+
+    async def reload_while_a_generates(client):
+        request = asyncio.ensure_future(complete(client, max_tokens=4))
+        await asyncio.sleep(0.1)
+        await client.reload_weights(tmp_path / "step_2")
+        await request
+
+    with FakeInferenceServer(responder=slow) as a, FakeInferenceServer() as b:
+        run_with_replicas([a, b], reload_while_a_generates)
+    assert a.admin_calls() == ["/pause?mode=wait", "/collective_rpc", "/reset_prefix_cache", "/resume"]
+    assert b.admin_calls() == ["/collective_rpc", "/reset_prefix_cache"]
+    assert a.loaded_weights == b.loaded_weights == str((tmp_path / "step_2").resolve())
+
+
+def test_a_reload_failing_on_one_replica_names_it_after_the_others_finish(tmp_path):
+    with FakeInferenceServer() as a, FakeInferenceServer(fail={"/collective_rpc": 500}) as b:
+        with pytest.raises(InferenceError, match=rf"POST {b.url}/collective_rpc answered status 500"):
+            run_with_replicas([a, b], lambda c: c.reload_weights(tmp_path), max_retries=0)
+    assert a.admin_calls() == ["/collective_rpc", "/reset_prefix_cache"]  # A's reload completed
+    assert b.admin_calls() == ["/collective_rpc"]
+
+
+def test_wait_healthy_waits_for_every_replica_and_names_the_one_that_is_down():
+    dead = f"http://127.0.0.1:{free_port()}"
+
+    async def go(urls):
+        client = InferenceClient(ClientConfig(base_url=urls, timeout_s=1), "tiny")
+        try:
+            await client.wait_healthy(timeout_s=0.3, poll_s=0.1)
+        finally:
+            await client.close()
+
+    with FakeInferenceServer() as a, FakeInferenceServer() as b:
+        asyncio.run(go([a.url, b.url]))
+        assert a.admin_calls() == b.admin_calls() == ["/health"]
+        with pytest.raises(TimeoutError, match=f"{dead}/health not healthy after"):
+            asyncio.run(go([a.url, dead]))
+
+
+def test_the_probe_scores_one_fixed_prompt_on_every_replica():
+    with FakeInferenceServer() as a, FakeInferenceServer() as b:
+        values = run_with_replicas([a, b], lambda c: c.probe_replicas())
+    expected = LOGPROB * (len(client_module.PROBE_PROMPT_IDS) - 1)  # the first token has no logprob
+    assert values == [pytest.approx(expected)] * 2
+    for server in (a, b):
+        ((_, path, body),) = server.calls
+        assert path == "/v1/completions"
+        assert (body["prompt"], body["prompt_logprobs"], body["max_tokens"]) == (list(client_module.PROBE_PROMPT_IDS), 0, 1)
+
+
+def test_the_probe_fails_naming_a_replica_on_other_weights():
+    """B kept other weights: its probe score differs, and the error lists every replica's."""
+    with FakeInferenceServer() as a, FakeInferenceServer(prompt_logprob=LOGPROB - 0.01) as b:
+        with pytest.raises(InferenceError, match=rf"different weights.*{a.url}: -3\.750000, {b.url}: -3\.900000"):
+            run_with_replicas([a, b], lambda c: c.probe_replicas())
+
+
+def test_the_probe_tolerates_differences_below_its_tolerance():
+    with FakeInferenceServer() as a, FakeInferenceServer(prompt_logprob=LOGPROB - 1e-5) as b:
+        values = run_with_replicas([a, b], lambda c: c.probe_replicas())
+    assert abs(values[0] - values[1]) < client_module.PROBE_TOLERANCE

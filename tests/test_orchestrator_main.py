@@ -6,11 +6,16 @@ from pathlib import Path
 
 import pytest
 from prime_rl.config import OrchestratorConfig
+from prime_rl.envs import Rollout, Turn
+from prime_rl.metrics import Metrics
 from prime_rl.rundir import begin_step_dir, finish_step_dir, metrics_path, read_jsonl, weights_dir
-from prime_rl.wire import sample_arrays
+from prime_rl.wire import decode_batch, encode_batch, sample_arrays
 
+from orchestrator.batch import ScoredRollout, pack_batches
+from orchestrator.data import ExampleOrder
 from orchestrator.fake_inference import FakeInferenceServer
-from orchestrator.main import main, sync_policy
+from orchestrator.main import main, resume, sync_policy
+from orchestrator.progress import StepRecord, save_record
 
 from helpers import free_port, orchestrator_process
 
@@ -21,6 +26,10 @@ def write_weights(run_dir, step):
     tmp = begin_step_dir(weights_dir(run_dir), step)
     (tmp / "model.safetensors").write_bytes(b"fake")
     finish_step_dir(tmp, step)
+
+
+def single(example_id):
+    return Rollout(example_id, [Turn([1, 2, 3], [4, 5], [-0.5, -1.0])], 1.0)
 
 
 class RecordingClient:
@@ -76,10 +85,36 @@ def test_config_errors_exit_2(tmp_path, capsys):
     assert "must be divisible by rollouts_per_example" in capsys.readouterr().err
     assert main(["--async-level", "-1"]) == 2
     assert "async_level" in capsys.readouterr().err
-    assert main(["--batch-size", "12", "--rollouts-per-example", "4", "--num-trainer-ranks", "8"]) == 2
-    assert "must split evenly over num_trainer_ranks" in capsys.readouterr().err
+    assert main(["--batch-size", "4", "--rollouts-per-example", "4", "--num-trainer-ranks", "8"]) == 2
+    assert "batch_size (4) must be at least num_trainer_ranks (8): every rank needs a sample" in capsys.readouterr().err
     assert main(["--env", '[{"id": "reverse-text", "args": {"bogus": 1}}]']) == 2
     assert "bogus" in capsys.readouterr().err
+
+
+class RecordingSender:
+    def __init__(self):
+        self.sent = []
+
+    def send_frame(self, rank, step, frame):
+        self.sent.append((rank, step, frame))
+
+
+def test_resume_on_another_rank_count_repacks_the_recorded_batches(tmp_path, capsys):
+    """Step 1's record, made for 2 trainer ranks, is re-sent to the 1 rank the run now has."""
+    items = [ScoredRollout(single(example_id=i // 2), float(i), 1) for i in range(4)]
+    batches = pack_batches(items, step=1, num_ranks=2, micro_batch_size=2, temperature=1.0, seq_len=16)
+    data = {"seed": 0, "dataset_sizes": [10], "weights": [1.0], "examples_per_step": 2}
+    frames = [encode_batch(b) for b in batches]
+    save_record(tmp_path, StepRecord(1, frames, {"counts": [2]}, {"counts": [4]}, [(0, 2), (0, 3)], 1, 1, data))
+    cfg = OrchestratorConfig(output_dir=tmp_path, batch_size=4, rollouts_per_example=2, micro_batch_size=2,
+                             ckpt={"resume_step": 1})
+    sender = RecordingSender()
+    assert resume(cfg, data, ExampleOrder([10], seed=0), sender, Metrics("orchestrator", [])) == (2, 1)
+    assert "re-packed step 1's batch from 2 ranks to 1" in capsys.readouterr().out
+    ((rank, step, frame),) = sender.sent
+    batch = decode_batch(frame, expected_step=1, expected_rank=0)
+    assert (rank, step) == (0, 1)
+    assert [[s.advantage for s in m.samples] for m in batch.micro_batches] == [[0, 1], [2, 3]]
 
 
 def test_two_steps_end_to_end(tmp_path, tiny_model):

