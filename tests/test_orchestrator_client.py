@@ -76,7 +76,8 @@ def test_api_key_is_sent_as_bearer_on_every_route():
     assert server.auth_headers == ["Bearer secret"] * 2
 
 
-def test_concurrency_is_capped():
+def slow_responder_tracking_peak():
+    """A responder that takes 50 ms, and ``state["peak"]``: the most requests it served at once."""
     lock, state = threading.Lock(), {"now": 0, "peak": 0}
 
     def slow(messages, index):
@@ -87,6 +88,12 @@ def test_concurrency_is_capped():
         with lock:
             state["now"] -= 1
         return "x"
+
+    return slow, state
+
+
+def test_concurrency_is_capped():
+    slow, state = slow_responder_tracking_peak()
 
     async def many(client):
         return await asyncio.gather(*[complete(client, max_tokens=4, temperature=1.0) for _ in range(8)])
@@ -369,16 +376,7 @@ def test_a_request_goes_to_the_replica_with_the_fewest_in_flight():
 
 
 def test_the_concurrency_cap_covers_all_replicas_together():
-    lock, state = threading.Lock(), {"now": 0, "peak": 0}
-
-    def slow(messages, index):
-        with lock:
-            state["now"] += 1
-            state["peak"] = max(state["peak"], state["now"])
-        time.sleep(0.05)
-        with lock:
-            state["now"] -= 1
-        return "x"
+    slow, state = slow_responder_tracking_peak()
 
     async def many(client):
         await asyncio.gather(*[complete(client, max_tokens=4) for _ in range(12)])

@@ -105,6 +105,31 @@ def test_four_node_job_splits_hosts_and_wires_addresses(tmp_path, monkeypatch):
     assert trainer["transport"]["host"] == "10.0.0.3"
 
 
+FAILING_INFERENCE_SRUN = """#!/bin/bash
+# the inference nodes' step fails after a moment; the trainer nodes' step would run on
+case "$*" in *--nodelist=a1,a2*) sleep 0.5; exit 3 ;; esac
+echo "trainer step started" >> "$SRUN_LOG"
+exec sleep 60
+"""
+
+
+def test_a_failed_side_ends_the_whole_job(tmp_path):
+    """Inference dies: the script stops the trainer side and exits 1 at once, holding no allocation."""
+    rendered_job(tmp_path, {"nodes": 4, "inference_nodes": 2, "gpus_per_node": 8})  # writes the fakes
+    (tmp_path / "bin" / "srun").write_text(FAILING_INFERENCE_SRUN)
+    config = RLConfig.model_validate({"output_dir": str(tmp_path / "run"), "batch_size": 64,
+                                      "slurm": {"nodes": 4, "inference_nodes": 2, "gpus_per_node": 8}})
+    script = render(config, tmp_path / "run", tmp_path / "run" / "slurm" / "rl.json", python="/venv/python", workdir=tmp_path)
+    log = tmp_path / "failing.log"
+    env = {**os.environ, "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "a[1-4]", "SRUN_LOG": str(log), "SLURM_JOB_ID": "7"}
+    start = time.monotonic()
+    out = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert time.monotonic() - start < 15
+    assert "inference ended before the run finished; stopping the trainer nodes" in out.stderr
+    assert log.read_text() == "trainer step started\n"
+
+
 def test_placement_names_a_node_outside_the_job():
     config = RLConfig.model_validate({"slurm": {"nodes": 2, "inference_nodes": 1, "gpus_per_node": 0}})
     with pytest.raises(ValueError, match="slurm.nodes is 2 but the job has 3 nodes"):

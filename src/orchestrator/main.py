@@ -215,10 +215,15 @@ def step_metrics(
     }
     if sync.reloaded_step is not None:
         row["weights/reloaded_step"] = sync.reloaded_step
-    row.update({f"weights/probe_logprob/{i}": value for i, value in enumerate(sync.probe_logprobs)})
+    row.update(probe_row(sync.probe_logprobs, "weights"))
     if len(requests_per_replica) > 1:  # cumulative: how evenly requests spread over the replicas
         row.update({f"inference/requests/{i}": count for i, count in enumerate(requests_per_replica)})
     return row
+
+
+def probe_row(values, prefix: str) -> dict[str, float]:
+    """`<prefix>/probe_logprob/<replica>`: each replica's score of the probe prompt."""
+    return {f"{prefix}/probe_logprob/{i}": value for i, value in enumerate(values)}
 
 
 def env_metrics(items: list[ScoredRollout]) -> dict[str, float | int]:
@@ -260,6 +265,8 @@ async def run(cfg: OrchestratorConfig, envs: list[tuple[str, Environment]], toke
         startup_row = {"startup/server_ready_unix": time.time()}  # in the first step's row (benchmarks.run reads it)
         if version > 0 and cfg.lora_adapter is not None:  # LoRA: inference serves the base; load the adapter
             await client.reload_weights(weights_step_dir(cfg.output_dir, version))
+        if cfg.client.verify_reload:  # the replicas must start alike too; later probes must differ from this
+            startup_row.update(probe_row(await client.probe_replicas(), "startup"))
         if start == 0 and cfg.preflight.enabled:
             metrics.log(0, await preflight(dict(envs), sampler, cfg.preflight, cfg.seed, log), process="preflight")
         for step in range(start, cfg.max_steps):

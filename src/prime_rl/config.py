@@ -663,7 +663,7 @@ class SlurmConfig(StrictModel):
     """`--cpus-per-task` of each node's one task; None = the cluster's default."""
 
     bind_host: str | None = None
-    """Address every socket binds on its node in a multi-node job (vLLM, the orchestrator's ZeroMQ, torchrun's rendezvous); None = the node's own address as SLURM knows it (`NodeAddr`). Single-node jobs stay on 127.0.0.1."""
+    """Address vLLM and the orchestrator's ZeroMQ sockets bind on their node in a multi-node job; None = the node's own address as SLURM knows it (`NodeAddr`). Single-node jobs stay on 127.0.0.1. (torchrun's rendezvous and the trainer's gloo/NCCL sockets follow torch's own settings, e.g. `GLOO_SOCKET_IFNAME`/`NCCL_SOCKET_IFNAME` in `setup`.)"""
 
     rdzv_port: int = Field(29500, ge=1024, le=65535)
     """Port of torchrun's c10d rendezvous on the first trainer node."""
