@@ -83,3 +83,22 @@ def test_wiki_search_config_dry_run_prints_its_eight_gpu_placement(tmp_path):
         assert f"inference replica {i}: vLLM on GPU {i}, serving http://127.0.0.1:{8000 + i}" in out.stdout
     assert "trainer: torchrun, 4 rank(s) per node on GPU 4,5,6,7 (4 FSDP2 rank(s) in all)" in out.stdout
     assert (tmp_path / "run" / "configs" / "inference-3.json").is_file()
+
+
+def test_configs_that_hold_the_api_key_are_private(tmp_path):
+    import stat
+
+    cfg = config(inference={"api_key": "secret"})
+    process_specs(cfg, tmp_path, plan_single_node(cfg, gpus_available=0))
+    modes = {p.stem: stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "configs").glob("*.json")}
+    assert modes["inference"] == modes["orchestrator"] == 0o600, modes
+    assert modes["trainer"] & 0o044, "a config without a key keeps the usual permissions"
+
+
+def test_gpus_index_the_ones_this_launcher_was_given(tmp_path, monkeypatch):
+    """Under SLURM the job's GPUs are whatever it allocated: processes get those, split."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5,7,9,11,13,15,17")
+    cfg = config(deployment={"inference_gpus": 4, "trainer_gpus": 4})
+    specs = {s.name: s for s in process_specs(cfg, tmp_path, plan_single_node(cfg, gpus_available=8))}
+    assert specs["inference-1"].env["CUDA_VISIBLE_DEVICES"] == "5"
+    assert specs["trainer"].env["CUDA_VISIBLE_DEVICES"] == "11,13,15,17"

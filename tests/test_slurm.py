@@ -202,7 +202,8 @@ def test_two_node_job_runs_inference_on_one_node_and_trains_on_the_other(tmp_pat
     assert "n2: node 1 (127.0.0.1): orchestrator" in log and "n2: node 1 (127.0.0.1): trainer" in log, log
     api_key = json.loads((run_dir / "configs" / "inference.json").read_text())["api_key"]
     assert api_key, "a multi-node job's vLLM requires a key on every route"
-    assert stat.S_IMODE((run_dir / "slurm" / "rl.json").stat().st_mode) == 0o600
+    for holds_key in (run_dir / "slurm" / "rl.json", run_dir / "configs" / "inference.json", run_dir / "configs" / "orchestrator.json"):
+        assert stat.S_IMODE(holds_key.stat().st_mode) == 0o600, holds_key
     assert tagged_processes(tag) == []
 
 

@@ -240,12 +240,20 @@ def trainer_spec(config: RLConfig, run_dir: Path, placement: Placement, plan: No
 
 
 def visible(gpus: tuple[int, ...]) -> dict[str, str]:
-    """CUDA_VISIBLE_DEVICES for a process's GPUs (nothing on CPU)."""
-    return {"CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus))} if gpus else {}
+    """CUDA_VISIBLE_DEVICES for a process's GPUs (nothing on CPU). ``gpus`` index the GPUs the
+    launcher may use: its own CUDA_VISIBLE_DEVICES when set (SLURM sets it to the job's GPUs,
+    which need not be 0..N-1), else all of the machine's."""
+    if not gpus:
+        return {}
+    ours = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = [d.strip() for d in ours.split(",") if d.strip()] if ours else [str(g) for g in range(max(gpus) + 1)]
+    return {"CUDA_VISIBLE_DEVICES": ",".join(ids[g] for g in gpus)}
 
 
 def write_config(run_dir: Path, name: str, data: dict) -> Path:
+    """RUN/configs/<name>.json; readable by its owner only when it holds an API key."""
     path = config_path(run_dir, name)
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(path, data)
+    key = data.get("api_key") or (data.get("client") or {}).get("api_key")
+    write_json_atomic(path, data, private=bool(key))
     return path

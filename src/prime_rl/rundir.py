@@ -192,11 +192,13 @@ def write_failed(what: str, target: Path, error: BaseException) -> WriteFailed:
     return WriteFailed(f"cannot write {what} {target}: {reason}{where}")
 
 
-def write_json_atomic(path: Path, data: dict) -> None:
-    """Write JSON through a temporary file and a rename: readers see the old or the new file, whole."""
+def write_json_atomic(path: Path, data: dict, private: bool = False) -> None:
+    """Write JSON through a temporary file and a rename: readers see the old or the new file,
+    whole. ``private``: readable by its owner only (a config that holds an API key)."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600 if private else 0o666)
+    with os.fdopen(fd, "w") as f:
         json.dump(data, f, indent=1)
         f.write("\n")
         f.flush()

@@ -29,6 +29,7 @@ from pathlib import Path
 from prime_rl.config import RLConfig, SlurmConfig
 from prime_rl.deployment import Placement, count_gpus, describe, plan_multi_node, plan_single_node, process_specs
 from prime_rl.launcher import run, tmux_available
+from prime_rl.rundir import write_json_atomic
 from prime_rl.settings import ConfigError
 
 HOSTS_VAR = "PRIME_RL_SLURM_HOSTS"
@@ -60,9 +61,7 @@ def prepare(config: RLConfig, run_dir: Path, tmux: bool = True) -> tuple[Path, P
         config.inference.api_key = secrets.token_urlsafe(24)
         config.orchestrator.client.api_key = config.inference.api_key
     resolved = folder / "rl.json"
-    fd = os.open(resolved, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(config.model_dump_json(indent=2))
+    write_json_atomic(resolved, config.model_dump(mode="json"), private=True)
     script = folder / "job.sbatch"
     script.write_text(render(config, run_dir, resolved, python=sys.executable, workdir=Path.cwd(), tmux=tmux))
     return resolved, script
