@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A real SLURM cluster on this one machine, for testing `prime-rl --slurm`: a controller
-# and two node daemons (n1, n2) that act as two nodes (Debian's slurm-wlm builds with
-# multiple-slurmd support), no cgroups, no accounting database.
+# and three node daemons (n1, n2, n3) that act as three nodes (Debian's slurm-wlm builds
+# with multiple-slurmd support), no cgroups, no accounting database.
 #   sudo bash scripts/slurm_local.sh start [STATE_DIR]   install (apt) if needed, start, wait until idle
 #   sudo bash scripts/slurm_local.sh stop  [STATE_DIR]   stop every daemon it started
 # Then `sbatch`, `squeue`, `scancel` work as on a cluster (SLURM_CONF is not needed: the
@@ -31,7 +31,7 @@ if ! command -v slurmctld >/dev/null || ! command -v munged >/dev/null; then
         || { apt-get update -qq >/dev/null && apt-get install -y -qq --no-install-recommends slurm-wlm munge >/dev/null; }
 fi
 stop
-mkdir -p "$STATE"/{ctld,n1,n2,log} /run/munge /etc/munge /etc/slurm
+mkdir -p "$STATE"/{ctld,n1,n2,n3,log} /run/munge /etc/munge /etc/slurm
 [ -s /etc/munge/munge.key ] || { dd if=/dev/urandom bs=1 count=1024 of=/etc/munge/munge.key 2>/dev/null; }
 chown munge:munge /etc/munge/munge.key /run/munge && chmod 400 /etc/munge/munge.key
 if ! pgrep -x munged >/dev/null; then
@@ -61,18 +61,19 @@ SchedulerType=sched/builtin
 SelectType=select/linear
 NodeName=n1 NodeHostname=$HOST NodeAddr=127.0.0.1 Port=17001 CPUs=$CPUS State=UNKNOWN
 NodeName=n2 NodeHostname=$HOST NodeAddr=127.0.0.1 Port=17002 CPUs=$CPUS State=UNKNOWN
-PartitionName=debug Nodes=n1,n2 Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
+NodeName=n3 NodeHostname=$HOST NodeAddr=127.0.0.1 Port=17003 CPUs=$CPUS State=UNKNOWN
+PartitionName=debug Nodes=n1,n2,n3 Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
 EOF
 
 slurmctld -D -i >"$STATE/log/slurmctld.out" 2>&1 &
 echo $! >"$STATE/slurmctld.pid"
-for node in n1 n2; do
+for node in n1 n2 n3; do
     slurmd -D -N "$node" >"$STATE/log/slurmd-$node.out" 2>&1 &
     echo $! >"$STATE/slurmd-$node.pid"
 done
 for _ in $(seq 60); do
     if [ "$(sinfo -h -o '%t' 2>/dev/null | sort -u | tr -d '\n')" = "idle" ]; then
-        echo "slurm_local: nodes n1, n2 idle (state in $STATE)"
+        echo "slurm_local: nodes n1, n2, n3 idle (state in $STATE)"
         exit 0
     fi
     sleep 0.5

@@ -98,7 +98,7 @@ def test_four_node_job_splits_hosts_and_wires_addresses(tmp_path, monkeypatch):
     for node, rank in (("a3", 0), ("a4", 1)):
         spec = by_node[node]["trainer" if rank == 0 else "trainer-1"]
         args = spec.argv[spec.argv.index("torch.distributed.run") + 1 :]
-        assert args[:6] == ["--nnodes=2", "--nproc-per-node=8", f"--node-rank={rank}", "--rdzv-backend=c10d",
+        assert args[:5] == ["--nnodes=2", "--nproc-per-node=8", "--rdzv-backend=c10d",
                             "--rdzv-endpoint=10.0.0.3:29500", "--rdzv-id=42"], args
         assert spec.env["CUDA_VISIBLE_DEVICES"] == "0,1,2,3,4,5,6,7"
     trainer = json.loads((run_dir / "configs/trainer-1.json").read_text())
@@ -157,10 +157,10 @@ def cluster():
     yield
 
 
-def submit(tmp_path, tiny_model, name: str, max_steps: int, tag: str) -> tuple[str, Path]:
+def submit(tmp_path, tiny_model, name: str, max_steps: int, tag: str, nodes: int = 2) -> tuple[str, Path]:
     run_dir = tmp_path / name
     config = tmp_path / f"{name}.toml"
-    slurm = '\n[slurm]\nnodes = 2\ninference_nodes = 1\ngpus_per_node = 0\nbind_host = "127.0.0.1"\ntime = "00:20:00"\n'
+    slurm = f'\n[slurm]\nnodes = {nodes}\ninference_nodes = 1\ngpus_per_node = 0\nbind_host = "127.0.0.1"\ntime = "00:20:00"\n'
     config.write_text(trio_toml(tiny_model, run_dir, max_steps=max_steps) + slurm)
     env = {**os.environ, "PRIME_RL_TEST_TAG": tag}  # sbatch exports it to every process of the job
     out = subprocess.run([sys.executable, "-m", "prime_rl.cli", str(config), "--slurm"], env=env, cwd=REPO,
@@ -204,6 +204,27 @@ def test_two_node_job_runs_inference_on_one_node_and_trains_on_the_other(tmp_pat
     assert api_key, "a multi-node job's vLLM requires a key on every route"
     for holds_key in (run_dir / "slurm" / "rl.json", run_dir / "configs" / "inference.json", run_dir / "configs" / "orchestrator.json"):
         assert stat.S_IMODE(holds_key.stat().st_mode) == 0o600, holds_key
+    assert tagged_processes(tag) == []
+
+
+@pytest.mark.slow
+def test_three_node_job_trains_with_a_multi_node_torchrun(tmp_path, tiny_model, cluster):
+    """Inference on n1; one trainer rank on each of n2 and n3, joined by torchrun's c10d
+    rendezvous on n2 (gloo), fed by the orchestrator on n2."""
+    tag = new_tag()
+    job, run_dir = submit(tmp_path, tiny_model, "slurm3", max_steps=3, tag=tag, nodes=3)
+    wait_job(job, timeout=900)
+    log = (run_dir / "slurm" / f"job-{job}.log").read_text()
+    assert "trainer nodes exited with code 0" in log, job_logs(run_dir, job)
+    assert "n2: node 1 (127.0.0.1): trainer: torchrun, 1 rank(s) per node, trainer node 1 of 2" in log, log
+    assert "n3: node 2 (127.0.0.1): trainer: torchrun, 1 rank(s) per node, trainer node 2 of 2" in log, log
+    rows = [r for r in read_jsonl(metrics_path(run_dir)) if r["process"] == "trainer" and "loss/policy" in r]
+    assert [r["step"] for r in rows] == [0, 1, 2] and all(r["weights/writers"] == 1 for r in rows)
+    # one rank on each node (which node gets rank 0 is the rendezvous's choice)
+    ranks = {name: log_path(run_dir, name).read_text() for name in ("trainer", "trainer-1")}
+    assert sorted("rank 0/2" in text for text in ranks.values()) == [False, True], ranks
+    assert all("rank 0/2" in text or "rank 1/2" in text for text in ranks.values()), ranks
+    assert (weights_step_dir(run_dir, 3) / MARKER).is_file()
     assert tagged_processes(tag) == []
 
 

@@ -187,7 +187,7 @@ def describe(placement: Placement) -> list[str]:
             t = node.trainer
             how = "one process" if t.world_size == 1 else f"torchrun, {t.nproc_per_node} rank(s) per node"
             if t.nnodes > 1:
-                how += f", node rank {node.trainer_node_rank} of {t.nnodes}, rendezvous {t.rdzv_endpoint}"
+                how += f", trainer node {node.trainer_node_rank + 1} of {t.nnodes}, rendezvous {t.rdzv_endpoint}"
             lines.append(f"{where}trainer: {how} on {devices(t.gpus)} ({t.world_size} FSDP2 rank(s) in all)")
     return lines
 
@@ -230,9 +230,11 @@ def trainer_spec(config: RLConfig, run_dir: Path, placement: Placement, plan: No
     path = write_config(run_dir, name, trainer.model_dump(mode="json"))
     cmd = [python, "-m", "trainer.rl", "--config", str(path)]
     if t.nnodes > 1:
+        # c10d hands out node ranks in the order the nodes join (torchrun ignores --node-rank
+        # with it), so global rank 0 may run on any trainer node: every rank reaches the
+        # orchestrator by address and the run directory is shared.
         cmd = [python, "-m", "torch.distributed.run", f"--nnodes={t.nnodes}", f"--nproc-per-node={t.nproc_per_node}",
-               f"--node-rank={plan.trainer_node_rank}", "--rdzv-backend=c10d", f"--rdzv-endpoint={t.rdzv_endpoint}",
-               f"--rdzv-id={job_id or 'prime-rl'}", *cmd[1:]]
+               "--rdzv-backend=c10d", f"--rdzv-endpoint={t.rdzv_endpoint}", f"--rdzv-id={job_id or 'prime-rl'}", *cmd[1:]]
     elif t.nproc_per_node > 1:
         cmd = [python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={t.nproc_per_node}", *cmd[1:]]
     env = {**QUIET, "OMP_NUM_THREADS": str(config.trainer.num_threads), **visible(t.gpus)}
