@@ -1,0 +1,89 @@
+"""The GEPA adapter over an environment: candidates are system prompts, scores the rubric's,
+and the maintained `gepa` search, driven through it, finds a better prompt.
+
+The rollout model is the fake OpenAI server: it reverses the text only when the system
+prompt says "character by character, last character first"; otherwise it echoes the text.
+The teacher is a function that proposes that instruction once the feedback it reads shows
+echoed answers scored below 1."""
+
+import gepa
+import pytest
+
+from orchestrator.client import InferenceClient
+from orchestrator.envs import load_env
+from orchestrator.fake_inference import FakeInferenceServer
+from orchestrator.gepa_adapter import COMPONENT, EnvironmentAdapter, NoSystemPrompt, seed_prompt, with_system_prompt
+from orchestrator.sampler import ChatSampler
+from prime_rl.config import ClientConfig, EnvConfig, EvalSamplingConfig
+from prime_rl.envs import SingleTurnEnv
+
+INSTRUCTION = "last character first"
+
+
+def reverse_if_told(messages, index) -> str:
+    system = messages[0]["content"] if messages and messages[0]["role"] == "system" else ""
+    text = messages[-1]["content"]
+    return text[::-1] if INSTRUCTION in system else text
+
+
+def teacher(prompt: str) -> str:
+    """GEPA's reflection LM: sees its meta-prompt (current instruction + the feedback records)."""
+    if "reward 1.000" in prompt and "reward 0." not in prompt:
+        return "```\nReverse the text character by character, last character first.\n```"
+    return f"```\nReverse the text character by character, {INSTRUCTION}.\n```"
+
+
+@pytest.fixture
+def adapter_and_server():
+    env = load_env(EnvConfig(id="reverse-text", args={"num_examples": 20, "num_eval_examples": 10}))
+    with FakeInferenceServer(responder=reverse_if_told) as server:
+        client = InferenceClient(ClientConfig(base_url=server.url, max_retries=0), "fake-model")
+        adapter = EnvironmentAdapter(env, ChatSampler(client, EvalSamplingConfig()), state_columns=("turn",))
+        try:
+            yield env, adapter
+        finally:
+            adapter.loop.run_until_complete(client.close())
+            adapter.close()
+
+
+def test_a_candidate_replaces_the_environment_system_prompt(adapter_and_server):
+    env, adapter = adapter_and_server
+    examples = env.dataset[:3]
+    seed = adapter.evaluate(examples, {COMPONENT: seed_prompt(env, "reverse-text")}, capture_traces=True)
+    told = adapter.evaluate(examples, {COMPONENT: f"Reverse it, {INSTRUCTION}."})
+    assert told.scores == [1.0, 1.0, 1.0] and all(s < 1.0 for s in seed.scores), (seed.scores, told.scores)
+    assert told.trajectories is None and adapter.metric_calls == 6
+    trace = seed.trajectories[0]
+    assert trace["query"] == examples[0].prompt[-1]["content"] and trace["answer"] == examples[0].answer
+    assert trace["reward"] == seed.scores[0] and trace["turn"] == 1 and trace["error"] == ""
+    records = adapter.make_reflective_dataset({COMPONENT: "x"}, seed, [COMPONENT])[COMPONENT]
+    assert len(records) == 3 and set(records[0]) == {"Inputs", "Generated Outputs", "Feedback"}
+    assert f"expected answer: {examples[0].answer}" in records[0]["Feedback"] and "lcs_reward = " in records[0]["Feedback"]
+    assert "turn: 1" in records[0]["Feedback"]
+
+
+def test_with_system_prompt_inserts_one_where_the_example_has_none():
+    from prime_rl.envs import Example
+
+    example = Example(0, [{"role": "user", "content": "abc"}])
+    assert with_system_prompt(example, "P").prompt == [{"role": "system", "content": "P"}, {"role": "user", "content": "abc"}]
+    assert example.prompt == [{"role": "user", "content": "abc"}]
+
+
+def test_an_environment_without_a_system_prompt_is_refused():
+    env = SingleTurnEnv(dataset=[{"question": "q", "answer": "a"}])
+    with pytest.raises(NoSystemPrompt, match="environment 'mine' has no system prompt to optimize"):
+        seed_prompt(env, "mine")
+
+
+def test_gepa_finds_a_prompt_that_scores_higher_on_validation(adapter_and_server):
+    env, adapter = adapter_and_server
+    seed = seed_prompt(env, "reverse-text")
+    result = gepa.optimize(
+        seed_candidate={COMPONENT: seed}, trainset=list(env.dataset[:12]), valset=env.eval_examples(6), adapter=adapter,
+        reflection_lm=teacher, max_metric_calls=60, reflection_minibatch_size=3, seed=0,
+    )
+    scores = result.val_aggregate_scores
+    best = result.candidates[result.best_idx][COMPONENT]
+    assert INSTRUCTION in best and scores[result.best_idx] == 1.0 > scores[0], (best, scores)
+    assert adapter.metric_calls <= 60 + 3  # GEPA stops at the budget (it may finish the minibatch it began)
