@@ -87,3 +87,73 @@ def test_gepa_finds_a_prompt_that_scores_higher_on_validation(adapter_and_server
     best = result.candidates[result.best_idx][COMPONENT]
     assert INSTRUCTION in best and scores[result.best_idx] == 1.0 > scores[0], (best, scores)
     assert adapter.metric_calls <= 60 + 3  # GEPA stops at the budget (it may finish the minibatch it began)
+
+
+# --------------------------------------------------------------------------- the gepa process
+
+
+def teacher_server_reply(messages, index) -> str:
+    """The teacher as an OpenAI-compatible server: the same proposals as `teacher`."""
+    return teacher(messages[-1]["content"])
+
+
+def run_gepa_process(tmp_path, rollout_url: str, teacher_url: str, **gepa_settings):
+    import json
+    import subprocess
+    import sys
+
+    from helpers import REPO
+
+    config = {
+        "model": "fake-model", "reflection_model": "fake-teacher", "output_dir": str(tmp_path / "gepa"), "run_id": "r1",
+        "env": [{"id": "reverse-text", "args": {"num_examples": 20, "num_eval_examples": 10}}],
+        "gepa": {"max_calls": 60, "num_train": 12, "num_val": 6, "minibatch_size": 3, "state_columns": ["turn"], **gepa_settings},
+        "client": {"base_url": rollout_url, "max_retries": 0}, "reflection_client": {"base_url": teacher_url},
+        "target": {"type": "endpoint", "model": "fake-model", "endpoint_id": "rollouts"},
+        "reflection_target": {"type": "endpoint", "model": "fake-teacher", "endpoint_id": "teacher"},
+    }
+    path = tmp_path / "gepa.json"
+    path.write_text(json.dumps(config))
+    return subprocess.run([sys.executable, "-m", "orchestrator.gepa", "--config", str(path)], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_the_gepa_process_writes_the_best_prompt_the_frontier_and_metadata(tmp_path):
+    import json
+
+    with FakeInferenceServer(responder=reverse_if_told) as model, FakeInferenceServer(responder=teacher_server_reply) as teach:
+        out = run_gepa_process(tmp_path, model.url, teach.url)
+    assert out.returncode == 0, out.stdout + out.stderr
+    folder = tmp_path / "gepa" / "reverse-text" / "r1"
+    assert f"[gepa] results in {folder}/" in out.stdout
+    best = (folder / "best_prompt.txt").read_text()
+    assert INSTRUCTION in best
+    meta = json.loads((folder / "metadata.json").read_text())
+    assert meta["val_score"]["best"] == 1.0 > meta["val_score"]["seed"], meta
+    assert 0 < meta["budget"]["used"] <= 63 and meta["budget"]["max_calls"] == 60 and not meta["interrupted"]
+    assert meta["model"] == "fake-model" and meta["reflection_model"] == "fake-teacher" and meta["num_val"] == 6
+    frontier = [json.loads(line) for line in (folder / "pareto_frontier.jsonl").read_text().splitlines()]
+    assert len(frontier) == 6 and all(row["score"] == 1.0 and INSTRUCTION in row["prompt"] for row in frontier), frontier
+
+
+def test_an_unreachable_teacher_is_one_line_before_any_work(tmp_path):
+    from helpers import free_port
+
+    with FakeInferenceServer(responder=reverse_if_told) as model:
+        out = run_gepa_process(tmp_path, model.url, f"http://127.0.0.1:{free_port()}")
+        completions = [path for _, path, _ in model.calls if "completions" in path]
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.count("\n") == 1 and "the reflection model's endpoint http://127.0.0.1:" in out.stderr and "unreachable" in out.stderr
+    assert completions == [] and not (tmp_path / "gepa").exists()
+
+
+def test_a_budget_below_one_validation_pass_is_refused(tmp_path):
+    from prime_rl.config import GepaRunConfig
+    from prime_rl.settings import ConfigError, load_config
+
+    path = tmp_path / "gepa.json"
+    path.write_text('{"env": [{"id": "reverse-text"}], "gepa": {"max_calls": 10, "num_val": 50}}')
+    with pytest.raises(ConfigError) as e:
+        load_config(GepaRunConfig, [path], [])
+    assert "gepa.max_calls (10) is smaller than one evaluation of the validation set (gepa.num_val = 50 rollouts)" in str(e.value)
+    assert len(str(e.value).splitlines()) == 1

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from prime_rl.config import EvalEnvConfig, EvalRunConfig, SamplingConfig
+from prime_rl.config import ClientConfig, EvalEnvConfig, EvalRunConfig, EvalTarget, SamplingConfig
 from prime_rl.envs import Environment, Example, ModelClient, Rollout
 from prime_rl.rundir import log_path, write_failed, write_json_atomic
 from prime_rl.settings import ConfigError, help_text, process_config
@@ -92,15 +92,14 @@ def setup(argv: list[str]) -> tuple[EvalRunConfig, list[tuple[EvalEnvConfig, Env
 # --------------------------------------------------------------------------- (b) samplers
 
 
-def make_client(cfg: EvalRunConfig) -> InferenceClient:
+def make_client(client_cfg: ClientConfig, target: EvalTarget) -> InferenceClient:
     """An endpoint's key comes from its environment variable, read only here (never stored)."""
-    client_cfg = cfg.client
-    if cfg.target.api_key_var is not None:
-        key = os.environ.get(cfg.target.api_key_var) or None
+    if target.api_key_var is not None:
+        key = os.environ.get(target.api_key_var) or None
         if key is None:
-            log(f"{cfg.target.api_key_var} is not set: sending no API key")
+            log(f"{target.api_key_var} is not set: sending no API key")
         client_cfg = client_cfg.model_copy(update={"api_key": key})
-    return InferenceClient(client_cfg, cfg.target.model)
+    return InferenceClient(client_cfg, target.model)
 
 
 def chat_sampler(cfg: EvalRunConfig, client: InferenceClient, tokenizer) -> ModelClient:
@@ -132,7 +131,7 @@ SAMPLERS: dict[str, Callable[[EvalRunConfig, InferenceClient, object], ModelClie
 async def run(
     cfg: EvalRunConfig, envs: list[tuple[EvalEnvConfig, Environment]], tokenizer, progress: Progress
 ) -> list[EnvResult]:
-    client = make_client(cfg)
+    client = make_client(cfg.client, cfg.target)
     try:
         if cfg.target.type == "local":
             log(f"waiting for the vLLM server at {client.base_url} (its log: {log_path(cfg.inference.output_dir, 'inference')})")

@@ -1116,3 +1116,88 @@ class EvalRunConfig(StrictModel):
                 )
             self.inference.seq_len = self.seq_len
         return self
+
+
+# --------------------------------------------------------------------------- GEPA
+
+
+class GepaConfig(StrictModel):
+    """The search of `prime-rl gepa` (`[gepa]`): budget, data split, reflection minibatches."""
+
+    max_calls: int = Field(500, ge=1)
+    """Evaluation budget: rollouts the search may run, validation included (`--max-calls/-B`)."""
+
+    num_train: int = Field(100, ge=1)
+    """Training examples reflection minibatches come from: the first ones of the training split (`--num-train/-n`)."""
+
+    num_val: int = Field(50, ge=1)
+    """Validation examples the Pareto frontier is kept over: the first ones of the eval split (`--num-val/-N`)."""
+
+    minibatch_size: int = Field(3, ge=1)
+    """Examples per reflection minibatch (`--minibatch-size`)."""
+
+    perfect_score: float | None = None
+    """Minibatches whose every rollout reaches this reward are skipped during reflection (`--perfect-score`); None = none are skipped."""
+
+    state_columns: list[str] = []
+    """Rollout state keys copied into the reflection data beside the query, completion, expected answer, reward and error (`--state-columns`)."""
+
+    seed: int = 0
+    """Seed of the search (minibatch order, candidate selection)."""
+
+
+class GepaRunConfig(StrictModel):
+    """`prime-rl gepa ENV_ID|CONFIG.toml`: optimize an environment's system prompt with GEPA."""
+
+    model: str = "gpt-4.1-mini"
+    """Model that runs the rollouts: an endpoint name of `endpoints_path`, or a local model served by a vLLM server `prime-rl gepa` starts and stops (`--model/-m`)."""
+
+    reflection_model: str | None = None
+    """The teacher that reads the results and proposes prompts: an endpoint name, or None = `model` (`--reflection-model/-M`)."""
+
+    endpoints_path: Path = Path("configs/endpoints.toml")
+    """Endpoint registry: `[[endpoint]]` tables with `endpoint_id`, `model`, `url` and `key`."""
+
+    output_dir: Path = Path("outputs/gepa")
+    """Results go to OUTPUT_DIR/<env>/<run>/."""
+
+    seq_len: int | None = Field(None, ge=8)
+    """Context of a local model (vLLM `--max-model-len`); fills `inference.seq_len`."""
+
+    sampling: EvalSamplingConfig = EvalSamplingConfig()
+    """Sampling settings of the rollouts."""
+
+    env: list[EnvConfig] = []
+    """The environment whose system prompt is optimized (`[[env]]`, exactly one)."""
+
+    gepa: GepaConfig = GepaConfig()
+    """The search."""
+
+    client: ClientConfig = ClientConfig()
+    """Requests of the rollouts (`base_url` and `api_key` come from the endpoint or the local server)."""
+
+    reflection_client: ClientConfig = ClientConfig()
+    """Requests of the teacher (`base_url` and `api_key` come from its endpoint)."""
+
+    inference: InferenceConfig = InferenceConfig()
+    """The vLLM server for a local model (unused for an endpoint)."""
+
+    run_id: str | None = None
+    """Name of the run's folder (set by `prime-rl gepa`: a timestamp and a short id)."""
+
+    target: EvalTarget | None = None
+    """What `model` resolved to (set by `prime-rl gepa` for the gepa process)."""
+
+    reflection_target: EvalTarget | None = None
+    """What `reflection_model` resolved to (set by `prime-rl gepa`)."""
+
+    @model_validator(mode="after")
+    def _consistent(self) -> GepaRunConfig:
+        if len(self.env) != 1:
+            raise ValueError(f"expected exactly one environment ([[env]] or ENV_ID), got {len(self.env)}")
+        if self.gepa.max_calls < self.gepa.num_val:
+            raise ValueError(
+                f"gepa.max_calls ({self.gepa.max_calls}) is smaller than one evaluation of the validation set "
+                f"(gepa.num_val = {self.gepa.num_val} rollouts): raise -B or lower -N"
+            )
+        return self

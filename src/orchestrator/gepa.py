@@ -1,0 +1,258 @@
+"""GEPA process: optimize an environment's system prompt (`prime-rl gepa`).
+
+    python -m orchestrator.gepa --config OUTPUT_DIR/runs/<run>/configs/gepa.json
+
+The search is the maintained ``gepa`` package's; ``orchestrator.gepa_adapter`` runs the
+environment's rollouts for it. Top to bottom:
+  (a) the environment, its own system prompt (the seed candidate), the first `num_train`
+      training and `num_val` validation examples;
+  (b) the rollout sampler (exact tokens through the local vLLM server, or text through an
+      endpoint, as `prime-rl eval` samples) and the teacher (a chat model of an endpoint);
+      both must answer before any work starts;
+  (c) gepa.optimize under the budget, with a progress bar of the rollouts spent and the
+      best validation score so far;
+  (d) OUTPUT_DIR/<env>/<run>/: best_prompt.txt, pareto_frontier.jsonl (per validation
+      example, its best score and the prompt that reached it) and metadata.json (settings,
+      budget used, seed, validation scores before and after). An interrupted run writes
+      the same from the search's last state and says so.
+Exit codes: 0, 2 for a config error, 1 for a runtime failure, 130 when interrupted.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import gepa
+import httpx
+import numpy as np
+from prime_rl.config import ClientConfig, EvalTarget, GepaRunConfig
+from prime_rl.envs import Environment, Example
+from prime_rl.rundir import write_failed, write_json_atomic
+from prime_rl.settings import ConfigError, help_text, process_config
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from orchestrator.client import InferenceError
+from orchestrator.envs import load_env
+from orchestrator.eval import SAMPLERS, interrupt, make_client, one_line
+from orchestrator.gepa_adapter import COMPONENT, EnvironmentAdapter, NoSystemPrompt, seed_prompt
+from orchestrator.main import load_tokenizer
+
+
+def log(msg: str) -> None:
+    print(f"[gepa] {msg}", file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------- (a) data
+
+
+@dataclass
+class Task:
+    name: str
+    env: Environment
+    seed: str
+    train: list[Example]
+    val: list[Example]
+
+
+def setup(argv: list[str]) -> tuple[GepaRunConfig, Task]:
+    cfg = process_config(GepaRunConfig, argv)
+    if cfg.target is None or cfg.reflection_target is None or cfg.run_id is None:
+        raise ConfigError("the config has no `target` / `reflection_target` / `run_id`: start it with `prime-rl gepa`")
+    entry = cfg.env[0]
+    try:
+        env = load_env(entry)
+        seed = seed_prompt(env, entry.id)
+    except (ValueError, NoSystemPrompt) as e:
+        raise ConfigError(str(e)) from None
+    train, val = list(env.dataset[: cfg.gepa.num_train]), env.eval_examples(cfg.gepa.num_val)
+    if len(val) < cfg.gepa.num_val:
+        log(f"{entry.metric_name} has {len(val)} validation examples, fewer than gepa.num_val = {cfg.gepa.num_val}")
+    return cfg, Task(entry.metric_name, env, seed, train, val)
+
+
+# --------------------------------------------------------------------------- (b) the two models
+
+
+class Teacher:
+    """GEPA's reflection LM: one chat completion of the teacher model per proposal."""
+
+    def __init__(self, client_cfg: ClientConfig, target: EvalTarget):
+        client = make_client(client_cfg, target)  # resolves the key from the endpoint's variable
+        self.url = client.base_url
+        self.model = target.model
+        self.headers = {"Authorization": f"Bearer {client.config.api_key}"} if client.config.api_key else {}
+        self.timeout_s = client_cfg.timeout_s
+        self.path = "/chat/completions" if self.url.endswith("/v1") else "/v1/chat/completions"
+
+    def __call__(self, prompt: str) -> str:
+        body = {"model": self.model, "messages": [{"role": "user", "content": prompt}]}
+        try:
+            response = httpx.post(self.url + self.path, json=body, headers=self.headers, timeout=self.timeout_s)
+        except httpx.TransportError as e:
+            raise InferenceError(f"the reflection model at {self.url} did not answer: {type(e).__name__}: {e}") from None
+        if response.status_code != 200:
+            raise InferenceError(f"the reflection model at {self.url} answered status {response.status_code}: {response.text[:300]}")
+        choices = response.json().get("choices") or [{}]
+        return (choices[0].get("message") or {}).get("content") or ""
+
+
+def check_reachable(url: str, role: str) -> None:
+    """One line before any work when a model's server does not answer at all (any HTTP status
+    counts as reachable: OpenAI-style APIs need not serve the path asked)."""
+    try:
+        httpx.get(url.rstrip("/") + "/models", timeout=10)
+    except httpx.TransportError as e:
+        raise ConfigError(f"the {role} model's endpoint {url} is unreachable ({type(e).__name__}: {e})") from None
+
+
+# --------------------------------------------------------------------------- (c) the search
+
+
+class BudgetBar:
+    """A GEPA stop callback that never stops the search: it moves the progress bar (rollouts
+    spent of the budget, the best validation score so far) and keeps the latest state, from
+    which an interrupted run writes its results."""
+
+    def __init__(self, progress: Progress, budget: int):
+        self.progress = progress
+        self.budget = budget
+        self.bar = progress.add_task("best val -", total=budget)
+        self.state = None
+
+    def __call__(self, state) -> bool:
+        self.state = state
+        best = max(aggregate_scores(state.prog_candidate_val_subscores), default=float("nan"))
+        self.progress.update(self.bar, completed=min(state.total_num_evals, self.budget), description=f"best val {best:.3f}")
+        return False
+
+
+def aggregate_scores(subscores: list[dict[Any, float]]) -> list[float]:
+    """Each candidate's mean validation score."""
+    return [float(np.mean(list(scores.values()))) if scores else float("nan") for scores in subscores]
+
+
+def search(cfg: GepaRunConfig, task: Task, adapter: EnvironmentAdapter, teacher: Teacher, bar: BudgetBar) -> None:
+    g = cfg.gepa
+    gepa.optimize(
+        seed_candidate={COMPONENT: task.seed},
+        trainset=task.train,
+        valset=task.val,
+        adapter=adapter,
+        reflection_lm=teacher,
+        max_metric_calls=g.max_calls,
+        reflection_minibatch_size=g.minibatch_size,
+        skip_perfect_score=g.perfect_score is not None,
+        perfect_score=1.0 if g.perfect_score is None else g.perfect_score,
+        seed=g.seed,
+        stop_callbacks=[bar],
+    )
+
+
+# --------------------------------------------------------------------------- (d) outputs
+
+
+def results_dir(cfg: GepaRunConfig, task: Task) -> Path:
+    return cfg.output_dir / task.name / cfg.run_id
+
+
+def write_outputs(cfg: GepaRunConfig, task: Task, state, started: float, interrupted: bool) -> Path:
+    """best_prompt.txt, pareto_frontier.jsonl, then metadata.json last (a folder with it is complete)."""
+    folder = results_dir(cfg, task)
+    candidates = [c[COMPONENT] for c in state.program_candidates]
+    scores = aggregate_scores(state.prog_candidate_val_subscores)
+    best = int(np.nanargmax(scores))
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "best_prompt.txt").write_text(candidates[best] + "\n")
+        with open(folder / "pareto_frontier.jsonl", "w") as f:
+            for val_id, score in sorted(state.pareto_front_valset.items()):
+                holders = sorted(state.program_at_pareto_front_valset[val_id])
+                row = {"example_id": task.val[val_id].id, "score": score, "candidates": holders, "prompt": candidates[holders[0]]}
+                f.write(json_line(row))
+        write_json_atomic(folder / "metadata.json", {
+            "env": {"id": cfg.env[0].id, "name": task.name, "args": cfg.env[0].args},
+            "model": cfg.target.model,
+            "reflection_model": cfg.reflection_target.model,
+            "settings": cfg.gepa.model_dump(mode="json"),
+            "sampling": cfg.sampling.model_dump(mode="json"),
+            "seed": cfg.gepa.seed,
+            "budget": {"max_calls": cfg.gepa.max_calls, "used": int(state.total_num_evals)},
+            "num_train": len(task.train),
+            "num_val": len(task.val),
+            "num_candidates": len(candidates),
+            "val_score": {"seed": scores[0], "best": scores[best]},
+            "best_candidate": best,
+            "val_scores": scores,
+            "interrupted": interrupted,
+            "run_id": cfg.run_id,
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
+            "time_s": time.time() - started,
+        })
+    except OSError as e:
+        raise write_failed("GEPA results", folder, e) from e
+    return folder
+
+
+def json_line(row: dict) -> str:
+    return json.dumps(row) + "\n"
+
+
+# --------------------------------------------------------------------------- entry point
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--help" in argv or "-h" in argv:
+        print("python -m orchestrator.gepa [--config] CONFIG.{json,toml} [--flags]   (started by `prime-rl gepa`)\n")
+        print("\n".join(help_text(GepaRunConfig)))
+        return 0
+    signal.signal(signal.SIGTERM, interrupt)
+    try:
+        cfg, task = setup(argv)
+        if cfg.target.type == "endpoint":
+            check_reachable(cfg.client.urls[0], "rollout")
+        check_reachable(cfg.reflection_client.urls[0], "reflection")
+    except ConfigError as e:
+        log(one_line(e))
+        return 2
+    tokenizer = load_tokenizer(cfg.inference.model) if cfg.target.type == "local" else None
+    client = make_client(cfg.client, cfg.target)
+    adapter = EnvironmentAdapter(task.env, SAMPLERS[cfg.target.type](cfg, client, tokenizer), cfg.gepa.state_columns)
+    log(f"{task.name}: seed prompt {task.seed!r}; {len(task.train)} training, {len(task.val)} validation examples; "
+        f"budget {cfg.gepa.max_calls} rollouts; model {cfg.target.model!r}, teacher {cfg.reflection_target.model!r}")
+    started, interrupted, code = time.time(), False, 0
+    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("rollouts"),
+                        TimeElapsedColumn(), console=Console(stderr=True))
+    bar = BudgetBar(progress, cfg.gepa.max_calls)
+    try:
+        if cfg.target.type == "local":
+            adapter.loop.run_until_complete(client.wait_healthy(cfg.client.startup_timeout_s))
+        with progress:
+            search(cfg, task, adapter, Teacher(cfg.reflection_client, cfg.reflection_target), bar)
+    except KeyboardInterrupt:
+        interrupted, code = True, 130
+    except (OSError, InferenceError) as e:  # TimeoutError is an OSError
+        log(f"error: {one_line(e)}")
+        code = 1
+    finally:
+        adapter.loop.run_until_complete(client.close())
+        adapter.close()
+    if bar.state is None:
+        log("interrupted before the seed prompt was scored: nothing saved" if interrupted else "no result to save")
+        return code
+    folder = write_outputs(cfg, task, bar.state, started, interrupted)
+    if interrupted:
+        log(f"interrupted after {bar.state.total_num_evals} rollouts: the best prompt so far and the frontier are saved")
+    print(f"[gepa] results in {folder}/", flush=True)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
