@@ -6,6 +6,8 @@ prompt says "character by character, last character first"; otherwise it echoes 
 The teacher is a function that proposes that instruction once the feedback it reads shows
 echoed answers scored below 1."""
 
+from pathlib import Path
+
 import gepa
 import pytest
 
@@ -157,3 +159,35 @@ def test_a_budget_below_one_validation_pass_is_refused(tmp_path):
         load_config(GepaRunConfig, [path], [])
     assert "gepa.max_calls (10) is smaller than one evaluation of the validation set (gepa.num_val = 50 rollouts)" in str(e.value)
     assert len(str(e.value).splitlines()) == 1
+
+
+def test_prime_rl_gepa_with_stand_in_endpoints_for_both_roles(tmp_path):
+    """The command as users run it: both models are named endpoints of an endpoints file."""
+    import json
+    import subprocess
+    import sys
+
+    from helpers import REPO
+
+    with FakeInferenceServer(responder=reverse_if_told) as model, FakeInferenceServer(responder=teacher_server_reply) as teach:
+        endpoints = tmp_path / "endpoints.toml"
+        endpoints.write_text(
+            f'[[endpoint]]\nendpoint_id = "roller"\nmodel = "fake-model"\nurl = "{model.url}/v1"\nkey = "ROLLER_KEY"\n\n'
+            f'[[endpoint]]\nendpoint_id = "teacher"\nmodel = "fake-teacher"\nurl = "{teach.url}/v1"\n'
+        )
+        out = subprocess.run(
+            [sys.executable, "-m", "prime_rl.cli", "gepa", "reverse-text", "-m", "roller", "-M", "teacher", "-B", "60", "-n", "12",
+             "-N", "6", "--minibatch-size", "3", "--state-columns", "turn,answer", "-a", '{"num_examples": 20, "num_eval_examples": 10}',
+             "--endpoints-path", str(endpoints), "--output-dir", str(tmp_path / "gepa")],
+            cwd=REPO, capture_output=True, text=True, timeout=120, env={**__import__("os").environ, "ROLLER_KEY": "k1"},
+        )
+        auth = {headers for headers in model.auth_headers}
+    assert out.returncode == 0, out.stdout + out.stderr
+    folder = Path(out.stdout.split("[gepa] results in ")[1].split()[0])
+    assert folder.parent == tmp_path / "gepa" / "reverse-text"
+    assert INSTRUCTION in (folder / "best_prompt.txt").read_text()
+    meta = json.loads((folder / "metadata.json").read_text())
+    assert meta["val_score"]["best"] > meta["val_score"]["seed"] and meta["settings"]["state_columns"] == ["turn", "answer"]
+    assert meta["model"] == "fake-model" and meta["reflection_model"] == "fake-teacher" and meta["budget"]["used"] <= 63
+    assert len((folder / "pareto_frontier.jsonl").read_text().splitlines()) == 6
+    assert auth == {"Bearer k1"}, "the rollout endpoint's key comes from its variable"

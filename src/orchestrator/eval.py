@@ -93,13 +93,17 @@ def setup(argv: list[str]) -> tuple[EvalRunConfig, list[tuple[EvalEnvConfig, Env
 
 
 def make_client(client_cfg: ClientConfig, target: EvalTarget) -> InferenceClient:
+    return InferenceClient(with_api_key(client_cfg, target), target.model)
+
+
+def with_api_key(client_cfg: ClientConfig, target: EvalTarget) -> ClientConfig:
     """An endpoint's key comes from its environment variable, read only here (never stored)."""
-    if target.api_key_var is not None:
-        key = os.environ.get(target.api_key_var) or None
-        if key is None:
-            log(f"{target.api_key_var} is not set: sending no API key")
-        client_cfg = client_cfg.model_copy(update={"api_key": key})
-    return InferenceClient(client_cfg, target.model)
+    if target.api_key_var is None:
+        return client_cfg
+    key = os.environ.get(target.api_key_var) or None
+    if key is None:
+        log(f"{target.api_key_var} is not set: sending no API key")
+    return client_cfg.model_copy(update={"api_key": key})
 
 
 def chat_sampler(cfg: EvalRunConfig, client: InferenceClient, tokenizer) -> ModelClient:

@@ -40,7 +40,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from orchestrator.client import InferenceError
 from orchestrator.envs import load_env
-from orchestrator.eval import SAMPLERS, interrupt, make_client, one_line
+from orchestrator.eval import SAMPLERS, interrupt, make_client, one_line, with_api_key
 from orchestrator.gepa_adapter import COMPONENT, EnvironmentAdapter, NoSystemPrompt, seed_prompt
 from orchestrator.main import load_tokenizer
 
@@ -84,10 +84,10 @@ class Teacher:
     """GEPA's reflection LM: one chat completion of the teacher model per proposal."""
 
     def __init__(self, client_cfg: ClientConfig, target: EvalTarget):
-        client = make_client(client_cfg, target)  # resolves the key from the endpoint's variable
-        self.url = client.base_url
+        client_cfg = with_api_key(client_cfg, target)
+        self.url = client_cfg.urls[0]
         self.model = target.model
-        self.headers = {"Authorization": f"Bearer {client.config.api_key}"} if client.config.api_key else {}
+        self.headers = bearer(client_cfg)
         self.timeout_s = client_cfg.timeout_s
         self.path = "/chat/completions" if self.url.endswith("/v1") else "/v1/chat/completions"
 
@@ -103,11 +103,19 @@ class Teacher:
         return (choices[0].get("message") or {}).get("content") or ""
 
 
-def check_reachable(url: str, role: str) -> None:
-    """One line before any work when a model's server does not answer at all (any HTTP status
-    counts as reachable: OpenAI-style APIs need not serve the path asked)."""
+def bearer(client_cfg: ClientConfig) -> dict[str, str]:
+    return {"Authorization": f"Bearer {client_cfg.api_key}"} if client_cfg.api_key else {}
+
+
+def check_reachable(client_cfg: ClientConfig, target: EvalTarget, role: str) -> None:
+    """One line before any work when an endpoint does not answer at all (any HTTP status
+    counts as reachable: OpenAI-style APIs need not serve the path asked). A local vLLM
+    server is still starting then: the run waits for it instead."""
+    if target.type != "endpoint":
+        return
+    url = client_cfg.urls[0]
     try:
-        httpx.get(url.rstrip("/") + "/models", timeout=10)
+        httpx.get(url + "/models", headers=bearer(with_api_key(client_cfg, target)), timeout=10)
     except httpx.TransportError as e:
         raise ConfigError(f"the {role} model's endpoint {url} is unreachable ({type(e).__name__}: {e})") from None
 
@@ -216,9 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, interrupt)
     try:
         cfg, task = setup(argv)
-        if cfg.target.type == "endpoint":
-            check_reachable(cfg.client.urls[0], "rollout")
-        check_reachable(cfg.reflection_client.urls[0], "reflection")
+        check_reachable(cfg.client, cfg.target, "rollout")
+        check_reachable(cfg.reflection_client, cfg.reflection_target, "reflection")
     except ConfigError as e:
         log(one_line(e))
         return 2

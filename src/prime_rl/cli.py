@@ -20,6 +20,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import textwrap
 import time
 import uuid
 from pathlib import Path
@@ -31,6 +32,7 @@ from prime_rl.config import (
     TOOL_ENVIRONMENTS,
     EvalRunConfig,
     EvalTarget,
+    GepaRunConfig,
     RLConfig,
     SFTConfig,
     check_model_path,
@@ -82,6 +84,8 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(evaluate(argv[1:]))
         if argv[:1] == ["export"]:
             sys.exit(export(argv[1:]))
+        if argv[:1] == ["gepa"]:
+            sys.exit(gepa(argv[1:]))
         if argv[:1] == ["slurm-node"]:
             from prime_rl.slurm import node_main
 
@@ -293,6 +297,57 @@ def export(argv: list[str]) -> int:
     return subprocess.call(cmd)
 
 
+# --------------------------------------------------------------------------- gepa
+
+GEPA_OPTIONS: dict[str, tuple[str | None, str]] = {
+    "-m/--model": ("model", "rollout model: an endpoint name from --endpoints-path, or a local model folder or HF id, served by a vLLM server started and stopped for the run (default: gpt-4.1-mini)"),
+    "-M/--reflection-model": ("reflection-model", "teacher that reads the results and proposes prompts: an endpoint name (default: the rollout model)"),
+    "-B/--max-calls": ("gepa.max-calls", "evaluation budget in rollouts, validation included (default 500)"),
+    "-n/--num-train": ("gepa.num-train", "training examples reflection minibatches come from (default 100)"),
+    "-N/--num-val": ("gepa.num-val", "validation examples the Pareto frontier is kept over (default 50)"),
+    "--minibatch-size": ("gepa.minibatch-size", "examples per reflection minibatch (default 3)"),
+    "--perfect-score": ("gepa.perfect-score", "minibatches whose every rollout reaches this reward are skipped during reflection (default: none)"),
+    "--state-columns": ("gepa.state-columns", "rollout state keys, comma-separated, copied into the reflection data beside query, completion, answer, reward and error"),
+    "-a/--env-args": (None, "JSON object passed to the environment's load_environment()"),
+    "-t/--max-tokens": ("sampling.max-tokens", "maximum completion tokens per turn (default: the server's)"),
+    "-T/--temperature": ("sampling.temperature", "sampling temperature of the rollouts (default: the server's)"),
+}
+GEPA_USAGE = "prime-rl gepa ENV_ID|CONFIG.toml [options] [--dotted.flags ...]"
+
+
+def gepa(argv: list[str]) -> int:
+    """`prime-rl gepa`: resolve both models, then run the gepa process (and, for a local model,
+    a vLLM server beside it) under the launcher, the gepa process on the terminal."""
+    if not argv or "--help" in argv or "-h" in argv:
+        print_options_help(GEPA_USAGE, "Optimizes an environment's system prompt with GEPA: a teacher model reads evaluation "
+                           "results and proposes prompts; a Pareto frontier is kept over validation examples.",
+                           GEPA_OPTIONS, GepaRunConfig)
+        return 0
+    config = load_run_config(GepaRunConfig, argv, GEPA_OPTIONS, "env", GEPA_USAGE)
+    config.target = resolve_eval_target(config)
+    config.reflection_target = resolve_reflection_target(config)
+    config.run_id = config.run_id or f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+    run_dir = config.output_dir / "runs" / config.run_id
+    if run_dir.exists():
+        raise ConfigError(f"run_id: {str(run_dir)!r} exists already; choose another run_id or leave it unset")
+    config.inference.output_dir = run_dir
+    return run(run_dir, served_process_specs(config, run_dir, "gepa", "orchestrator.gepa"), use_tmux=False,
+               session_name="", exit_code_from="gepa")
+
+
+def resolve_reflection_target(config: GepaRunConfig) -> EvalTarget:
+    """The teacher: the rollout model itself (its endpoint or local server), or an endpoint."""
+    if "base_url" in config.reflection_client.model_fields_set:
+        raise ConfigError("reflection_client.base_url: comes from the endpoint; choose the teacher with -M/--reflection-model")
+    if config.reflection_model is None or config.reflection_model == config.model:
+        config.reflection_client.base_url = config.client.base_url
+        config.reflection_client.api_key = config.client.api_key
+        return config.target
+    endpoint = known_endpoint(config.reflection_model, config, field="reflection_model")
+    config.reflection_client.base_url = endpoint.url
+    return EvalTarget(type="endpoint", model=endpoint.model, api_key_var=endpoint.key, endpoint_id=endpoint.endpoint_id)
+
+
 # --------------------------------------------------------------------------- eval
 
 # option -> (the setting it sets, its help); -a/--env-args fills the [[eval]] entry's `args`.
@@ -326,29 +381,35 @@ def evaluate(argv: list[str]) -> int:
 
 def load_eval_config(argv: list[str]) -> EvalRunConfig:
     """Defaults < CONFIG.toml (or one [[eval]] entry of ENV_ID) < options and dotted flags."""
+    return load_run_config(EvalRunConfig, argv, EVAL_OPTIONS, "eval", EVAL_USAGE)
+
+
+def load_run_config(cls, argv: list[str], options: dict, entries: str, usage: str):
+    """`prime-rl eval` and `prime-rl gepa`: CONFIG.toml, or ENV_ID as the one ``entries``
+    entry, then the command's options and dotted flags."""
     first = argv[0]
     if first.startswith("-"):
-        raise ConfigError(f"expected an environment id or a config file first, got {first!r}: {EVAL_USAGE}")
-    flags, env_args = eval_flags(argv[1:])
+        raise ConfigError(f"expected an environment id or a config file first, got {first!r}: {usage}")
+    flags, env_args = option_flags(argv[1:], options)
     if Path(first).suffix in (".toml", ".json"):
         data, source = read_config_file(Path(first)), first
     else:
-        data, source = {"eval": [{"id": first}]}, "command line"
+        data, source = {entries: [{"id": first}]}, "command line"
     data = deep_merge(data, parse_flags(flags))
     if env_args is not None:
-        add_env_args(data, env_args, source)
+        add_env_args(data, env_args, source, entries)
     try:
-        return EvalRunConfig.model_validate(data)
+        return cls.model_validate(data)
     except ValidationError as e:
         raise ConfigError(format_validation_error(e, source)) from None
     except ValueError as e:
         raise ConfigError(f"{source}: {e}") from None
 
 
-def eval_flags(args: list[str]) -> tuple[list[str], dict[str, Any] | None]:
+def option_flags(args: list[str], options: dict) -> tuple[list[str], dict[str, Any] | None]:
     """Options (`-n 4`, `--max-tokens 64`, `-s`) -> dotted flags; `-a JSON` -> a dict. Other
     dotted flags (`--inference.port 8123`) pass through."""
-    names = {name: setting for option, (setting, _) in EVAL_OPTIONS.items() for name in option.split("/")}
+    names = {name: setting for option, (setting, _) in options.items() for name in option.split("/")}
     flags, env_args = [], None
     args = iter(args)
     for arg in args:
@@ -380,17 +441,17 @@ def parse_env_args(value: str) -> dict[str, Any]:
     return parsed
 
 
-def add_env_args(data: dict[str, Any], env_args: dict[str, Any], source: str) -> None:
-    """Merge `-a` into the args of the only [[eval]] entry (with several, it would be ambiguous)."""
-    entries = data.get("eval")
+def add_env_args(data: dict[str, Any], env_args: dict[str, Any], source: str, entries_key: str = "eval") -> None:
+    """Merge `-a` into the args of the only [[eval]] (or [[env]]) entry (with several, it would be ambiguous)."""
+    entries = data.get(entries_key)
     if not isinstance(entries, list) or len(entries) != 1 or not isinstance(entries[0], dict):
         count = len(entries) if isinstance(entries, list) else 0
-        raise ConfigError(f"-a/--env-args: {source} has {count} [[eval]] entries; set `args` in each entry instead")
+        raise ConfigError(f"-a/--env-args: {source} has {count} [[{entries_key}]] entries; set `args` in each entry instead")
     key = "env_args" if "env_args" in entries[0] else "args"
     entries[0][key] = {**(entries[0].get(key) or {}), **env_args}
 
 
-def resolve_eval_target(config: EvalRunConfig) -> EvalTarget:
+def resolve_eval_target(config: EvalRunConfig | GepaRunConfig) -> EvalTarget:
     """An endpoint of the endpoints file, or a local model for a vLLM server of our own; fills
     `client.base_url` (and the `inference` section for a local model)."""
     for field in ("base_url", "api_key"):
@@ -415,7 +476,8 @@ def resolve_eval_target(config: EvalRunConfig) -> EvalTarget:
         inference.port = free_port(inference.host)
     config.client.base_url = f"http://{inference.host}:{inference.port}"
     config.client.api_key = inference.api_key
-    tool_envs = [entry.id for entry in config.eval if environment_name(entry.id) in TOOL_ENVIRONMENTS]
+    entries = config.eval if isinstance(config, EvalRunConfig) else config.env
+    tool_envs = [entry.id for entry in entries if environment_name(entry.id) in TOOL_ENVIRONMENTS]
     if tool_envs and inference.tool_call_parser is None:
         raise ConfigError(
             f"environment {tool_envs[0]!r} calls tools: pass `--inference.tool_call_parser hermes` (vLLM's parser "
@@ -437,7 +499,7 @@ def lora_adapter(model: str) -> tuple[str, int] | None:
         raise ConfigError(f"model: {str(path)!r} is not a PEFT adapter config ({type(e).__name__}: {e})") from None
 
 
-def find_endpoint(config: EvalRunConfig) -> Endpoint | None:
+def find_endpoint(config: EvalRunConfig | GepaRunConfig) -> Endpoint | None:
     """`endpoint_id`, else `model` when it names an endpoint; None for a local folder or HF id."""
     if config.endpoint_id is not None:
         if "model" in config.model_fields_set:
@@ -456,7 +518,7 @@ def find_endpoint(config: EvalRunConfig) -> Endpoint | None:
     return known_endpoint(name, config, field="model")
 
 
-def known_endpoint(name: str, config: EvalRunConfig, field: str) -> Endpoint:
+def known_endpoint(name: str, config: EvalRunConfig | GepaRunConfig, field: str) -> Endpoint:
     path = config.endpoints_path
     endpoints = load_endpoints(path) if path.is_file() or field == "endpoint_id" else {}
     if name not in endpoints:
@@ -474,7 +536,11 @@ def free_port(host: str) -> int:
 
 
 def eval_process_specs(config: EvalRunConfig, run_dir: Path) -> list[ProcessSpec]:
-    """The eval process on the terminal; for a local model, vLLM (logged) beside it."""
+    return served_process_specs(config, run_dir, "eval", "orchestrator.eval")
+
+
+def served_process_specs(config: EvalRunConfig | GepaRunConfig, run_dir: Path, name: str, module: str) -> list[ProcessSpec]:
+    """The command's process on the terminal; for a local model, vLLM (logged) beside it."""
     python = sys.executable
     quiet = {"OMP_WAIT_POLICY": "PASSIVE", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
     specs = []
@@ -482,21 +548,29 @@ def eval_process_specs(config: EvalRunConfig, run_dir: Path) -> list[ProcessSpec
         write_config(run_dir, "inference", config.inference.model_dump(mode="json"))
         specs.append(ProcessSpec("inference", [python, "-m", "inference.server", "--config", str(config_path(run_dir, "inference"))],
                                  env={}, required=False))
-    write_config(run_dir, "eval", config.model_dump(mode="json"))
-    specs.append(ProcessSpec("eval", [python, "-m", "orchestrator.eval", "--config", str(config_path(run_dir, "eval"))],
-                             env=quiet, terminal=True))
+    path = write_config(run_dir, name, config.model_dump(mode="json"))
+    specs.append(ProcessSpec(name, [python, "-m", module, "--config", str(path)], env=quiet, terminal=True))
     return specs
 
 
 def print_eval_help() -> None:
-    print(f"usage: {EVAL_USAGE}\n")
-    print("Evaluates a model on the eval splits of environments: ENV_ID (e.g. reverse-text) or a config")
-    print("with [[eval]] entries (configs/eval/*.toml). Prints a table per environment; exit code 0, 2 for a")
-    print("config error, 1 for a runtime failure.\n\noptions:")
-    for option, (_, doc) in EVAL_OPTIONS.items():
+    print_options_help(
+        EVAL_USAGE,
+        "Evaluates a model on the eval splits of environments: ENV_ID (e.g. reverse-text) or a config with [[eval]] "
+        "entries (configs/eval/*.toml). Prints a table per environment; exit code 0, 2 for a config error, 1 for a "
+        "runtime failure.",
+        EVAL_OPTIONS, EvalRunConfig,
+    )
+
+
+def print_options_help(usage: str, description: str, options: dict, cls) -> None:
+    print(f"usage: {usage}\n")
+    print(textwrap.fill(description, width=100))
+    print("\noptions:")
+    for option, (_, doc) in options.items():
         print(f"  {option}\n      {doc}")
     print("\nEvery setting is a TOML key and a flag (kebab-case, dotted by section):\n")
-    print("\n".join(help_text(EvalRunConfig)))
+    print("\n".join(help_text(cls)))
 
 
 def print_help(usage: str, cls, extra: dict[str, str]) -> None:

@@ -20,7 +20,7 @@ import re
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class StrictModel(BaseModel):
@@ -1145,12 +1145,21 @@ class GepaConfig(StrictModel):
     seed: int = 0
     """Seed of the search (minibatch order, candidate selection)."""
 
+    @field_validator("state_columns", mode="before")
+    @classmethod
+    def _comma_separated(cls, value: Any) -> Any:
+        """`--state-columns turn,responses` on the command line."""
+        return [c.strip() for c in value.split(",") if c.strip()] if isinstance(value, str) else value
+
 
 class GepaRunConfig(StrictModel):
     """`prime-rl gepa ENV_ID|CONFIG.toml`: optimize an environment's system prompt with GEPA."""
 
     model: str = "gpt-4.1-mini"
     """Model that runs the rollouts: an endpoint name of `endpoints_path`, or a local model served by a vLLM server `prime-rl gepa` starts and stops (`--model/-m`)."""
+
+    endpoint_id: str | None = None
+    """Endpoint name of `endpoints_path` that runs the rollouts, instead of `model`."""
 
     reflection_model: str | None = None
     """The teacher that reads the results and proposes prompts: an endpoint name, or None = `model` (`--reflection-model/-M`)."""
