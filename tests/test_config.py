@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from helpers import REPO
-from prime_rl.config import KNOWN_ENVIRONMENTS, EvalRunConfig, RLConfig, SFTConfig
+from prime_rl.config import KNOWN_ENVIRONMENTS, EvalRunConfig, GepaRunConfig, RLConfig, SFTConfig
 from prime_rl.endpoints import load_endpoints
 from prime_rl.settings import ConfigError, load_config, parse_flags
 
@@ -52,7 +52,7 @@ def test_every_shipped_toml_parses():
             cfg = load_config(RLConfig, [path.parent / "rl.toml", path], [])
             assert cfg.trainer.lora is not None and cfg.inference.max_lora_rank is not None
             continue
-        cls = EvalRunConfig if path.parent.name == "eval" else SFTConfig if path.stem.startswith("sft") else RLConfig
+        cls = {"eval": EvalRunConfig, "gepa": GepaRunConfig}.get(path.parent.name) or (SFTConfig if path.stem.startswith("sft") else RLConfig)
         load_config(cls, [path], [])
 
 

@@ -15,7 +15,9 @@ environment's rollouts for it. Top to bottom:
       example, its best score and the prompt that reached it) and metadata.json (settings,
       budget used, seed, validation scores before and after). An interrupted run writes
       the same from the search's last state and says so.
-Exit codes: 0, 2 for a config error, 1 for a runtime failure, 130 when interrupted.
+GEPA's own log (iterations, proposals, tracebacks of failed proposals) goes to
+OUTPUT_DIR/runs/<run>/logs/search.log. Exit codes: 0, 2 for a config error, 1 for a
+runtime failure, 130 when interrupted.
 """
 
 from __future__ import annotations
@@ -91,7 +93,19 @@ class Teacher:
         self.timeout_s = client_cfg.timeout_s
         self.path = "/chat/completions" if self.url.endswith("/v1") else "/v1/chat/completions"
 
+        self.failures = 0
+
     def __call__(self, prompt: str) -> str:
+        try:
+            return self._complete(prompt)
+        except InferenceError as e:
+            # GEPA skips the proposal and goes on; say it once here, the rest goes to the search log
+            self.failures += 1
+            if self.failures == 1:
+                log(f"the teacher failed to propose a prompt ({one_line(e)}); the search goes on, see its log")
+            raise
+
+    def _complete(self, prompt: str) -> str:
         body = {"model": self.model, "messages": [{"role": "user", "content": prompt}]}
         try:
             response = httpx.post(self.url + self.path, json=body, headers=self.headers, timeout=self.timeout_s)
@@ -101,6 +115,23 @@ class Teacher:
             raise InferenceError(f"the reflection model at {self.url} answered status {response.status_code}: {response.text[:300]}")
         choices = response.json().get("choices") or [{}]
         return (choices[0].get("message") or {}).get("content") or ""
+
+
+class SearchLog:
+    """GEPA's own log (iterations, scores, proposals, the tracebacks of failed ones) goes to
+    a file, so the terminal shows the progress bar and one line per problem."""
+
+    def __init__(self, path: Path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self.file = open(path, "a")
+
+    def log(self, message: str) -> None:
+        self.file.write(f"{message}\n")
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
 
 
 def bearer(client_cfg: ClientConfig) -> dict[str, str]:
@@ -146,7 +177,7 @@ def aggregate_scores(subscores: list[dict[Any, float]]) -> list[float]:
     return [float(np.mean(list(scores.values()))) if scores else float("nan") for scores in subscores]
 
 
-def search(cfg: GepaRunConfig, task: Task, adapter: EnvironmentAdapter, teacher: Teacher, bar: BudgetBar) -> None:
+def search(cfg: GepaRunConfig, task: Task, adapter: EnvironmentAdapter, teacher: Teacher, bar: BudgetBar, search_log: SearchLog) -> None:
     g = cfg.gepa
     gepa.optimize(
         seed_candidate={COMPONENT: task.seed},
@@ -160,6 +191,7 @@ def search(cfg: GepaRunConfig, task: Task, adapter: EnvironmentAdapter, teacher:
         perfect_score=1.0 if g.perfect_score is None else g.perfect_score,
         seed=g.seed,
         stop_callbacks=[bar],
+        logger=search_log,
     )
 
 
@@ -238,11 +270,14 @@ def main(argv: list[str] | None = None) -> int:
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("rollouts"),
                         TimeElapsedColumn(), console=Console(stderr=True))
     bar = BudgetBar(progress, cfg.gepa.max_calls)
+    search_log = SearchLog(cfg.output_dir / "runs" / cfg.run_id / "logs" / "search.log")
+    log(f"the search's own log: {search_log.path}")
+    teacher = Teacher(cfg.reflection_client, cfg.reflection_target)
     try:
         if cfg.target.type == "local":
             adapter.loop.run_until_complete(client.wait_healthy(cfg.client.startup_timeout_s))
         with progress:
-            search(cfg, task, adapter, Teacher(cfg.reflection_client, cfg.reflection_target), bar)
+            search(cfg, task, adapter, teacher, bar, search_log)
     except KeyboardInterrupt:
         interrupted, code = True, 130
     except (OSError, InferenceError) as e:  # TimeoutError is an OSError
@@ -251,6 +286,9 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         adapter.loop.run_until_complete(client.close())
         adapter.close()
+        search_log.close()
+    if teacher.failures:
+        log(f"the teacher failed {teacher.failures} time(s): those proposals were skipped (details in {search_log.path})")
     if bar.state is None:
         log("interrupted before the seed prompt was scored: nothing saved" if interrupted else "no result to save")
         return code

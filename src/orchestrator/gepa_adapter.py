@@ -17,13 +17,13 @@ adapter owns one event loop and runs them there, all of a batch at once.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 from collections.abc import Sequence
 from typing import Any
 
 from gepa import EvaluationBatch
 from prime_rl.envs import Environment, Example, ModelClient, Rollout
+from prime_rl.envs.env import with_system_prompt
 
 COMPONENT = "system_prompt"
 """The one component GEPA evolves."""
@@ -43,16 +43,6 @@ def seed_prompt(env: Environment, env_id: str) -> str:
             "pass one with `system_prompt` in its args, if it takes one"
         )
     return env.system_prompt
-
-
-def with_system_prompt(example: Example, prompt: str) -> Example:
-    """The example with ``prompt`` as its system message (replacing the environment's)."""
-    messages = [dict(m) for m in example.prompt]
-    if messages and messages[0].get("role") == "system":
-        messages[0]["content"] = prompt
-    else:
-        messages.insert(0, {"role": "system", "content": prompt})
-    return dataclasses.replace(example, prompt=messages)
 
 
 class EnvironmentAdapter:

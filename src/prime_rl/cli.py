@@ -299,7 +299,7 @@ def export(argv: list[str]) -> int:
 
 # --------------------------------------------------------------------------- gepa
 
-GEPA_OPTIONS: dict[str, tuple[str | None, str]] = {
+GEPA_OPTIONS: dict[str, tuple[str, str]] = {
     "-m/--model": ("model", "rollout model: an endpoint name from --endpoints-path, or a local model folder or HF id, served by a vLLM server started and stopped for the run (default: gpt-4.1-mini)"),
     "-M/--reflection-model": ("reflection-model", "teacher that reads the results and proposes prompts: an endpoint name (default: the rollout model)"),
     "-B/--max-calls": ("gepa.max-calls", "evaluation budget in rollouts, validation included (default 500)"),
@@ -308,7 +308,7 @@ GEPA_OPTIONS: dict[str, tuple[str | None, str]] = {
     "--minibatch-size": ("gepa.minibatch-size", "examples per reflection minibatch (default 3)"),
     "--perfect-score": ("gepa.perfect-score", "minibatches whose every rollout reaches this reward are skipped during reflection (default: none)"),
     "--state-columns": ("gepa.state-columns", "rollout state keys, comma-separated, copied into the reflection data beside query, completion, answer, reward and error"),
-    "-a/--env-args": (None, "JSON object passed to the environment's load_environment()"),
+    "-a/--env-args": ("entry.args", "JSON object passed to the environment's load_environment()"),
     "-t/--max-tokens": ("sampling.max-tokens", "maximum completion tokens per turn (default: the server's)"),
     "-T/--temperature": ("sampling.temperature", "sampling temperature of the rollouts (default: the server's)"),
 }
@@ -351,11 +351,12 @@ def resolve_reflection_target(config: GepaRunConfig) -> EvalTarget:
 # --------------------------------------------------------------------------- eval
 
 # option -> (the setting it sets, its help); -a/--env-args fills the [[eval]] entry's `args`.
-EVAL_OPTIONS: dict[str, tuple[str | None, str]] = {
+EVAL_OPTIONS: dict[str, tuple[str, str]] = {
     "-m/--model": ("model", "endpoint name from --endpoints-path, or a local model folder (a run's weights/step_N too) or HF id, served by a vLLM server started and stopped for the eval (default: gpt-4.1-mini)"),
     "-n/--num-examples": ("num-examples", "examples per environment, the first ones of its eval split (default 5; -1 = all)"),
     "-r/--rollouts-per-example": ("rollouts-per-example", "rollouts per example (default 3)"),
-    "-a/--env-args": (None, "JSON object passed to the environment's load_environment(), e.g. '{\"min_len\": 5}'"),
+    "-a/--env-args": ("entry.args", "JSON object passed to the environment's load_environment(), e.g. '{\"min_len\": 5}'"),
+    "--system-prompt-file": ("entry.system_prompt_file", "a file whose text replaces the environment's system prompt, e.g. the best_prompt.txt of `prime-rl gepa`"),
     "-t/--max-tokens": ("sampling.max-tokens", "maximum completion tokens per turn (default: the server's)"),
     "-T/--temperature": ("sampling.temperature", "sampling temperature (default: the server's; 0 = greedy)"),
     "-s/--save-results": ("save-results", "write results.jsonl and summary.json to OUTPUT_DIR/<env>--<model>/<run>/"),
@@ -390,14 +391,14 @@ def load_run_config(cls, argv: list[str], options: dict, entries: str, usage: st
     first = argv[0]
     if first.startswith("-"):
         raise ConfigError(f"expected an environment id or a config file first, got {first!r}: {usage}")
-    flags, env_args = option_flags(argv[1:], options)
+    flags, entry = option_flags(argv[1:], options)
     if Path(first).suffix in (".toml", ".json"):
         data, source = read_config_file(Path(first)), first
     else:
         data, source = {entries: [{"id": first}]}, "command line"
     data = deep_merge(data, parse_flags(flags))
-    if env_args is not None:
-        add_env_args(data, env_args, source, entries)
+    if entry:
+        merge_into_entry(data, entry, source, entries, entry_options(options, entry))
     try:
         return cls.model_validate(data)
     except ValidationError as e:
@@ -406,11 +407,13 @@ def load_run_config(cls, argv: list[str], options: dict, entries: str, usage: st
         raise ConfigError(f"{source}: {e}") from None
 
 
-def option_flags(args: list[str], options: dict) -> tuple[list[str], dict[str, Any] | None]:
-    """Options (`-n 4`, `--max-tokens 64`, `-s`) -> dotted flags; `-a JSON` -> a dict. Other
-    dotted flags (`--inference.port 8123`) pass through."""
+def option_flags(args: list[str], options: dict) -> tuple[list[str], dict[str, Any]]:
+    """Options (`-n 4`, `--max-tokens 64`, `-s`) -> dotted flags; options of the environment
+    entry (`entry.*`: `-a JSON`, `--system-prompt-file F`) -> that entry's fields. Other dotted
+    flags (`--inference.port 8123`) pass through."""
     names = {name: setting for option, (setting, _) in options.items() for name in option.split("/")}
-    flags, env_args = [], None
+    flags: list[str] = []
+    entry: dict[str, Any] = {}
     args = iter(args)
     for arg in args:
         name, eq, inline = arg.partition("=")
@@ -424,11 +427,13 @@ def option_flags(args: list[str], options: dict) -> tuple[list[str], dict[str, A
         value = inline if eq else next(args, None)
         if value is None:
             raise ConfigError(f"{name}: expected a value")
-        if setting is None:
-            env_args = parse_env_args(value)
+        if setting == "entry.args":
+            entry["args"] = parse_env_args(value)
+        elif setting.startswith("entry."):
+            entry[setting.removeprefix("entry.")] = value
         else:
             flags += [f"--{setting}", value]
-    return flags, env_args
+    return flags, entry
 
 
 def parse_env_args(value: str) -> dict[str, Any]:
@@ -441,14 +446,25 @@ def parse_env_args(value: str) -> dict[str, Any]:
     return parsed
 
 
-def add_env_args(data: dict[str, Any], env_args: dict[str, Any], source: str, entries_key: str = "eval") -> None:
-    """Merge `-a` into the args of the only [[eval]] (or [[env]]) entry (with several, it would be ambiguous)."""
+def entry_options(options: dict, entry: dict[str, Any]) -> str:
+    """The options that set ``entry``'s fields, for messages (`-a/--env-args`)."""
+    return ", ".join(o for o, (setting, _) in options.items() if setting.startswith("entry.") and setting[len("entry."):] in entry)
+
+
+def merge_into_entry(data: dict[str, Any], entry: dict[str, Any], source: str, entries_key: str, options: str) -> None:
+    """The entry options (`-a`, `--system-prompt-file`) go to the only [[eval]] / [[env]] entry
+    (with several, it would be ambiguous); `-a` merges into its args."""
     entries = data.get(entries_key)
     if not isinstance(entries, list) or len(entries) != 1 or not isinstance(entries[0], dict):
         count = len(entries) if isinstance(entries, list) else 0
-        raise ConfigError(f"-a/--env-args: {source} has {count} [[{entries_key}]] entries; set `args` in each entry instead")
-    key = "env_args" if "env_args" in entries[0] else "args"
-    entries[0][key] = {**(entries[0].get(key) or {}), **env_args}
+        raise ConfigError(f"{options}: {source} has {count} [[{entries_key}]] entries; set them in each entry instead")
+    target = entries[0]
+    for field, value in entry.items():
+        if field == "args":
+            key = "env_args" if "env_args" in target else "args"
+            target[key] = {**(target.get(key) or {}), **value}
+        else:
+            target[field] = value
 
 
 def resolve_eval_target(config: EvalRunConfig | GepaRunConfig) -> EvalTarget:

@@ -136,9 +136,13 @@ class EnvConfig(StrictModel):
     name: str | None = None
     """Name in metrics (`reward/<name>/mean`); defaults to the id without its owner prefix."""
 
+    system_prompt_file: Path | None = None
+    """A file whose text replaces the environment's system prompt, e.g. the `best_prompt.txt` of `prime-rl gepa`; None = the environment's own."""
+
     @model_validator(mode="after")
     def _known_environment(self) -> EnvConfig:
         check_environment_id(self.id)
+        check_prompt_file(self.system_prompt_file)
         if self.name is not None and not re.fullmatch(r"[\w.-]+", self.name):
             raise ValueError(f"env name {self.name!r} may only hold letters, digits, `_`, `-` and `.`")
         return self
@@ -146,6 +150,11 @@ class EnvConfig(StrictModel):
     @property
     def metric_name(self) -> str:
         return self.name or environment_name(self.id).split("/")[-1]
+
+
+def check_prompt_file(path: Path | None) -> None:
+    if path is not None and not Path(path).is_file():
+        raise ValueError(f"system_prompt_file: {str(path)!r} does not exist (expected a text file holding the system prompt)")
 
 
 def check_env_names(envs: list[EnvConfig]) -> None:
@@ -1000,6 +1009,9 @@ class EvalEnvConfig(StrictModel):
     rollouts_per_example: int | None = Field(None, ge=1)
     """Rollouts per example; None = the top-level `rollouts_per_example`."""
 
+    system_prompt_file: Path | None = None
+    """A file whose text replaces the environment's system prompt (`--system-prompt-file`), e.g. the `best_prompt.txt` of `prime-rl gepa`."""
+
     @model_validator(mode="before")
     @classmethod
     def _documented_names(cls, data: Any) -> Any:
@@ -1015,6 +1027,7 @@ class EvalEnvConfig(StrictModel):
     @model_validator(mode="after")
     def _known_environment(self) -> EvalEnvConfig:
         check_environment_id(self.id)
+        check_prompt_file(self.system_prompt_file)
         if self.name is not None and not re.fullmatch(r"[\w.-]+", self.name):
             raise ValueError(f"eval name {self.name!r} may only hold letters, digits, `_`, `-` and `.`")
         if self.num_examples == 0:
@@ -1027,7 +1040,7 @@ class EvalEnvConfig(StrictModel):
 
     def env_config(self) -> EnvConfig:
         """The `[[env]]` form the environment loader takes."""
-        return EnvConfig(id=self.id, args=self.args, name=self.name)
+        return EnvConfig(id=self.id, args=self.args, name=self.name, system_prompt_file=self.system_prompt_file)
 
 
 class EvalSamplingConfig(StrictModel):

@@ -9,6 +9,7 @@ which must define ``load_environment(**args)`` returning a ``prime_rl.envs.Envir
 from __future__ import annotations
 
 import importlib
+from pathlib import Path
 
 from prime_rl.config import EnvConfig, environment_module, environment_name
 from prime_rl.envs import DatasetUnavailable, Environment
@@ -48,4 +49,6 @@ def load_env(env_cfg: EnvConfig) -> Environment:
         )
     if not env.dataset and not env.eval_dataset:
         raise ValueError(f"environment {env_cfg.id!r}: load_environment() returned an environment with no examples")
+    if env_cfg.system_prompt_file is not None:
+        env.use_system_prompt(Path(env_cfg.system_prompt_file).read_text().strip())
     return env

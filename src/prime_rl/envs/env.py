@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import inspect
 import json
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -91,6 +92,14 @@ class Environment:
             info = json.loads(info) if info.strip() else {}
         answer, task = row.get("answer"), row.get("task")
         return Example(index, prompt, "" if answer is None else str(answer), dict(info), "default" if task is None else str(task))
+
+    def use_system_prompt(self, prompt: str) -> None:
+        """Replace the system prompt, in every example already built too (a prompt optimized
+        by `prime-rl gepa`, given as `[[env]] system_prompt_file`)."""
+        self.system_prompt = prompt
+        self.dataset = [with_system_prompt(e, prompt) for e in self.dataset]
+        if self.eval_dataset is not None:
+            self.eval_dataset = [with_system_prompt(e, prompt) for e in self.eval_dataset]
 
     def eval_examples(self, n: int = -1) -> list[Example]:
         """The first ``n`` examples of the eval split (all when ``n`` < 0); the training split
@@ -237,3 +246,13 @@ class MultiTurnEnv(Environment):
 
 async def maybe_await(value: Any) -> Any:
     return await value if inspect.isawaitable(value) else value
+
+
+def with_system_prompt(example: Example, prompt: str) -> Example:
+    """The example with ``prompt`` as its system message (replacing the one it has, if any)."""
+    messages = [dict(m) for m in example.prompt]
+    if messages and messages[0].get("role") == "system":
+        messages[0]["content"] = prompt
+    else:
+        messages.insert(0, {"role": "system", "content": prompt})
+    return dataclasses.replace(example, prompt=messages)

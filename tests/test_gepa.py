@@ -14,7 +14,8 @@ import pytest
 from orchestrator.client import InferenceClient
 from orchestrator.envs import load_env
 from orchestrator.fake_inference import FakeInferenceServer
-from orchestrator.gepa_adapter import COMPONENT, EnvironmentAdapter, NoSystemPrompt, seed_prompt, with_system_prompt
+from orchestrator.gepa_adapter import COMPONENT, EnvironmentAdapter, NoSystemPrompt, seed_prompt
+from prime_rl.envs.env import with_system_prompt
 from orchestrator.sampler import ChatSampler
 from prime_rl.config import ClientConfig, EnvConfig, EvalSamplingConfig
 from prime_rl.envs import SingleTurnEnv
@@ -191,3 +192,88 @@ def test_prime_rl_gepa_with_stand_in_endpoints_for_both_roles(tmp_path):
     assert meta["model"] == "fake-model" and meta["reflection_model"] == "fake-teacher" and meta["budget"]["used"] <= 63
     assert len((folder / "pareto_frontier.jsonl").read_text().splitlines()) == 6
     assert auth == {"Bearer k1"}, "the rollout endpoint's key comes from its variable"
+
+
+def test_an_interrupted_search_saves_what_it_has_and_says_so(tmp_path):
+    import json
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from helpers import REPO
+
+    with FakeInferenceServer(responder=reverse_if_told, delay={"/v1/chat/completions": 0.3}) as model, \
+            FakeInferenceServer(responder=teacher_server_reply) as teach:
+        config = {
+            "model": "m", "output_dir": str(tmp_path / "gepa"), "run_id": "r2",
+            "env": [{"id": "reverse-text", "args": {"num_examples": 20, "num_eval_examples": 10}}],
+            "gepa": {"max_calls": 500, "num_train": 12, "num_val": 6, "minibatch_size": 3},
+            "client": {"base_url": model.url, "max_retries": 0}, "reflection_client": {"base_url": teach.url},
+            "target": {"type": "endpoint", "model": "m"}, "reflection_target": {"type": "endpoint", "model": "t"},
+        }
+        (tmp_path / "gepa.json").write_text(json.dumps(config))
+        proc = subprocess.Popen([sys.executable, "-m", "orchestrator.gepa", "--config", str(tmp_path / "gepa.json")], cwd=REPO,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 60
+        while sum("completions" in path for _, path, _ in model.calls) < 9 and time.monotonic() < deadline:
+            time.sleep(0.1)  # the seed's 6 validation rollouts and a minibatch have begun
+        proc.send_signal(signal.SIGTERM)  # what the launcher sends on Ctrl-C
+        out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, out + err
+    assert "interrupted after" in err and "the best prompt so far and the frontier are saved" in err, err
+    meta = json.loads((tmp_path / "gepa" / "reverse-text" / "r2" / "metadata.json").read_text())
+    assert meta["interrupted"] and 6 <= meta["budget"]["used"] < 500
+    assert (tmp_path / "gepa" / "reverse-text" / "r2" / "best_prompt.txt").read_text().strip()
+
+
+def test_prime_rl_gepa_on_the_tiny_model_served_by_real_vllm(tmp_path, tiny_model):
+    """The mechanics with a local model for both roles (its scores need not improve: the tiny
+    model's 512-token context cannot even hold the teacher's prompt, so proposals fail and are
+    skipped). vLLM is started and stopped by the command."""
+    import json
+    import subprocess
+    import sys
+
+    from helpers import REPO, new_tag, tagged_processes
+
+    tag = new_tag()
+    out = subprocess.run(
+        [sys.executable, "-m", "prime_rl.cli", "gepa", "reverse-text", "-m", str(tiny_model), "-B", "12", "-n", "4", "-N", "3",
+         "--minibatch-size", "2", "-t", "16", "--seq-len", "512", "--output-dir", str(tmp_path / "gepa"),
+         "--endpoints-path", str(tmp_path / "none.toml")],
+        cwd=REPO, capture_output=True, text=True, timeout=600, env={**__import__("os").environ, "PRIME_RL_TEST_TAG": tag},
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    folder = Path(out.stdout.split("[gepa] results in ")[1].split()[0])
+    assert (folder / "best_prompt.txt").read_text().strip()
+    meta = json.loads((folder / "metadata.json").read_text())
+    assert meta["model"] == str(tiny_model) and 6 <= meta["budget"]["used"] <= 14 and meta["num_val"] == 3
+    assert len((folder / "pareto_frontier.jsonl").read_text().splitlines()) == 3
+    assert "rollouts" in out.stdout + out.stderr  # the progress bar
+    assert tagged_processes(tag) == [], "the vLLM server stops with the run"
+
+
+# --------------------------------------------------------------------------- using the result
+
+
+def test_system_prompt_file_replaces_the_environment_prompt_in_rl_and_eval(tmp_path):
+    from prime_rl.cli import load_eval_config
+    from prime_rl.config import RLConfig
+    from prime_rl.settings import ConfigError, load_config
+
+    best = tmp_path / "best_prompt.txt"
+    best.write_text(f"Reverse it, {INSTRUCTION}.\n")
+    env = load_env(EnvConfig(id="reverse-text", args={"num_examples": 4, "num_eval_examples": 2}, system_prompt_file=best))
+    assert env.system_prompt == f"Reverse it, {INSTRUCTION}."
+    assert {e.prompt[0]["content"] for e in env.dataset + env.eval_dataset} == {env.system_prompt}
+    assert [m["role"] for m in env.dataset[0].prompt] == ["system", "user"]
+
+    rl = tmp_path / "rl.toml"
+    rl.write_text(f'[[env]]\nid = "reverse-text"\nsystem_prompt_file = "{best}"\n')
+    assert load_config(RLConfig, [rl], []).orchestrator.env[0].system_prompt_file == best
+    cfg = load_eval_config(["reverse-text", "-m", "fake", "--system-prompt-file", str(best)])
+    assert cfg.eval[0].env_config().system_prompt_file == best
+    with pytest.raises(ConfigError) as e:
+        load_eval_config(["reverse-text", "-m", "fake", "--system-prompt-file", str(tmp_path / "missing.txt")])
+    assert "system_prompt_file: " in str(e.value) and "does not exist" in str(e.value) and len(str(e.value).splitlines()) == 1
