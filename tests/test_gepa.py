@@ -79,6 +79,36 @@ def test_an_environment_without_a_system_prompt_is_refused():
         seed_prompt(env, "mine")
 
 
+def test_alphabet_sort_needs_a_seed_prompt_file_which_then_seeds_the_search(tmp_path):
+    """alphabet-sort ships no system prompt: one line before any rollout; with
+    --system-prompt-file the file's text is the seed candidate."""
+    import json
+    import subprocess
+    import sys
+
+    from helpers import REPO
+
+    with FakeInferenceServer(responder=reverse_if_told) as model:
+        endpoints = tmp_path / "endpoints.toml"
+        endpoints.write_text(f'[[endpoint]]\nendpoint_id = "roller"\nmodel = "fake-model"\nurl = "{model.url}/v1"\n')
+        common = ["-m", "roller", "-B", "8", "-n", "4", "-N", "4", "--endpoints-path", str(endpoints), "--output-dir", str(tmp_path / "gepa")]
+        refused = subprocess.run([sys.executable, "-m", "prime_rl.cli", "gepa", "alphabet-sort", *common],
+                                 cwd=REPO, capture_output=True, text=True, timeout=120)
+        seed = tmp_path / "seed.txt"
+        seed.write_text("Sort the names alphabetically.\n")
+        seeded = subprocess.run([sys.executable, "-m", "prime_rl.cli", "gepa", "alphabet-sort", *common, "--system-prompt-file", str(seed)],
+                                cwd=REPO, capture_output=True, text=True, timeout=120)
+        completions = sum("completions" in path for _, path, _ in model.calls)
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    assert "[gepa] environment 'alphabet-sort' has no system prompt to optimize" in refused.stderr
+    assert "--system-prompt-file" in refused.stderr
+    assert seeded.returncode == 0, seeded.stdout + seeded.stderr
+    folder = Path(seeded.stdout.split("[gepa] results in ")[1].split()[0])
+    meta = json.loads((folder / "metadata.json").read_text())
+    assert meta["val_score"]["seed"] == meta["val_scores"][0] and completions >= 4
+    assert "Sort the names alphabetically." in seeded.stderr  # the seed prompt it started from
+
+
 def test_gepa_finds_a_prompt_that_scores_higher_on_validation(adapter_and_server):
     env, adapter = adapter_and_server
     seed = seed_prompt(env, "reverse-text")

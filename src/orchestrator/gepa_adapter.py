@@ -40,7 +40,7 @@ def seed_prompt(env: Environment, env_id: str) -> str:
     if not env.system_prompt:
         raise NoSystemPrompt(
             f"environment {env_id!r} has no system prompt to optimize (its load_environment() sets none); "
-            "pass one with `system_prompt` in its args, if it takes one"
+            "give a seed prompt with --system-prompt-file (`[[env]] system_prompt_file`)"
         )
     return env.system_prompt
 

@@ -309,6 +309,7 @@ GEPA_OPTIONS: dict[str, tuple[str, str]] = {
     "--perfect-score": ("gepa.perfect-score", "minibatches whose every rollout reaches this reward are skipped during reflection (default: none)"),
     "--state-columns": ("gepa.state-columns", "rollout state keys, comma-separated, copied into the reflection data beside query, completion, answer, reward and error"),
     "-a/--env-args": ("entry.args", "JSON object passed to the environment's load_environment()"),
+    "--system-prompt-file": ("entry.system_prompt_file", "the seed prompt, from a file, instead of the environment's own (e.g. an earlier run's best_prompt.txt)"),
     "-t/--max-tokens": ("sampling.max-tokens", "maximum completion tokens per turn (default: the server's)"),
     "-T/--temperature": ("sampling.temperature", "sampling temperature of the rollouts (default: the server's)"),
 }
