@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import gepa
+from gepa.core.result import GEPAResult
 import httpx
 import numpy as np
 from prime_rl.config import ClientConfig, EvalTarget, GepaRunConfig
@@ -157,7 +158,7 @@ def check_reachable(client_cfg: ClientConfig, target: EvalTarget, role: str) -> 
 class BudgetBar:
     """A GEPA stop callback that never stops the search: it moves the progress bar (rollouts
     spent of the budget, the best validation score so far) and keeps the latest state, from
-    which an interrupted run writes its results."""
+    which an interrupted run writes its results (a finished one writes GEPA's result)."""
 
     def __init__(self, progress: Progress, budget: int):
         self.progress = progress
@@ -177,9 +178,11 @@ def aggregate_scores(subscores: list[dict[Any, float]]) -> list[float]:
     return [float(np.mean(list(scores.values()))) if scores else float("nan") for scores in subscores]
 
 
-def search(cfg: GepaRunConfig, task: Task, adapter: EnvironmentAdapter, teacher: Teacher, bar: BudgetBar, search_log: SearchLog) -> None:
+def search(
+    cfg: GepaRunConfig, task: Task, adapter: EnvironmentAdapter, teacher: Teacher, bar: BudgetBar, search_log: SearchLog
+) -> GEPAResult:
     g = cfg.gepa
-    gepa.optimize(
+    return gepa.optimize(
         seed_candidate={COMPONENT: task.seed},
         trainset=task.train,
         valset=task.val,
@@ -202,18 +205,19 @@ def results_dir(cfg: GepaRunConfig, task: Task) -> Path:
     return cfg.output_dir / task.name / cfg.run_id
 
 
-def write_outputs(cfg: GepaRunConfig, task: Task, state, started: float, interrupted: bool) -> Path:
+def write_outputs(cfg: GepaRunConfig, task: Task, result: GEPAResult, rollouts: int, started: float, interrupted: bool) -> Path:
     """best_prompt.txt, pareto_frontier.jsonl, then metadata.json last (a folder with it is complete)."""
     folder = results_dir(cfg, task)
-    candidates = [c[COMPONENT] for c in state.program_candidates]
-    scores = aggregate_scores(state.prog_candidate_val_subscores)
+    candidates = [c[COMPONENT] for c in result.candidates]
+    scores = aggregate_scores(result.val_subscores)
     best = int(np.nanargmax(scores))
     try:
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "best_prompt.txt").write_text(candidates[best] + "\n")
         with open(folder / "pareto_frontier.jsonl", "w") as f:
-            for val_id, score in sorted(state.pareto_front_valset.items()):
-                holders = sorted(state.program_at_pareto_front_valset[val_id])
+            for val_id, holders in sorted(result.per_val_instance_best_candidates.items()):
+                holders = sorted(holders)
+                score = result.val_subscores[holders[0]][val_id]
                 row = {"example_id": task.val[val_id].id, "score": score, "candidates": holders, "prompt": candidates[holders[0]]}
                 f.write(json_line(row))
         write_json_atomic(folder / "metadata.json", {
@@ -223,7 +227,7 @@ def write_outputs(cfg: GepaRunConfig, task: Task, state, started: float, interru
             "settings": cfg.gepa.model_dump(mode="json"),
             "sampling": cfg.sampling.model_dump(mode="json"),
             "seed": cfg.gepa.seed,
-            "budget": {"max_calls": cfg.gepa.max_calls, "used": int(state.total_num_evals)},
+            "budget": {"max_calls": cfg.gepa.max_calls, "used": rollouts},
             "num_train": len(task.train),
             "num_val": len(task.val),
             "num_candidates": len(candidates),
@@ -266,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     adapter = EnvironmentAdapter(task.env, SAMPLERS[cfg.target.type](cfg, client, tokenizer), cfg.gepa.state_columns)
     log(f"{task.name}: seed prompt {task.seed!r}; {len(task.train)} training, {len(task.val)} validation examples; "
         f"budget {cfg.gepa.max_calls} rollouts; model {cfg.target.model!r}, teacher {cfg.reflection_target.model!r}")
-    started, interrupted, code = time.time(), False, 0
+    started, interrupted, code, result = time.time(), False, 0, None
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("rollouts"),
                         TimeElapsedColumn(), console=Console(stderr=True))
     bar = BudgetBar(progress, cfg.gepa.max_calls)
@@ -277,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         if cfg.target.type == "local":
             adapter.loop.run_until_complete(client.wait_healthy(cfg.client.startup_timeout_s))
         with progress:
-            search(cfg, task, adapter, teacher, bar, search_log)
+            result = search(cfg, task, adapter, teacher, bar, search_log)
     except KeyboardInterrupt:
         interrupted, code = True, 130
     except (OSError, InferenceError) as e:  # TimeoutError is an OSError
@@ -289,12 +293,14 @@ def main(argv: list[str] | None = None) -> int:
         search_log.close()
     if teacher.failures:
         log(f"the teacher failed {teacher.failures} time(s): those proposals were skipped (details in {search_log.path})")
-    if bar.state is None:
+    if result is None and bar.state is not None:  # interrupted or failed mid-search: what it had so far
+        result = GEPAResult.from_state(bar.state)
+    if result is None:
         log("interrupted before the seed prompt was scored: nothing saved" if interrupted else "no result to save")
         return code
-    folder = write_outputs(cfg, task, bar.state, started, interrupted)
+    folder = write_outputs(cfg, task, result, adapter.metric_calls, started, interrupted)
     if interrupted:
-        log(f"interrupted after {bar.state.total_num_evals} rollouts: the best prompt so far and the frontier are saved")
+        log(f"interrupted after {adapter.metric_calls} rollouts: the best prompt so far and the frontier are saved")
     print(f"[gepa] results in {folder}/", flush=True)
     return code
 
