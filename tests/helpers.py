@@ -106,10 +106,11 @@ port = {free_port_pair()}
 
 
 @contextmanager
-def orchestrator_process(config: dict, run_dir, env: dict | None = None):
+def orchestrator_process(config: dict, run_dir, env: dict | None = None, receive_timeout_s: float = 20):
     """Run `python -m orchestrator.main` on ``config`` (environment ``env``, default ours with
-    the repo's src on PYTHONPATH); yields ``receive(step)``, the test playing trainer rank 0.
-    On exit, waits for the process and checks it exited 0."""
+    the repo's src on PYTHONPATH); yields ``receive(step)``, the test playing trainer rank 0,
+    which waits ``receive_timeout_s`` for a batch. On exit, waits for the process and checks it
+    exited 0."""
     import zmq
     from prime_rl.wire import decode_batch
 
@@ -121,7 +122,7 @@ def orchestrator_process(config: dict, run_dir, env: dict | None = None):
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     ctx = zmq.Context()
     trainer = ctx.socket(zmq.PULL)
-    trainer.setsockopt(zmq.RCVTIMEO, 20_000)
+    trainer.setsockopt(zmq.RCVTIMEO, int(receive_timeout_s * 1000))
     trainer.setsockopt(zmq.LINGER, 0)
     trainer.connect(f"tcp://127.0.0.1:{config['transport']['port']}")
     try:

@@ -40,6 +40,7 @@ from rich.table import Table
 
 from orchestrator.client import InferenceClient, InferenceError
 from orchestrator.envs import load_env
+from orchestrator.envworker import EnvironmentWorkerError
 from orchestrator.main import leaf_errors, load_tokenizer
 from orchestrator.rollouts import run_groups, summarize
 from orchestrator.sampler import ChatSampler, TokenSampler
@@ -75,17 +76,22 @@ def setup(argv: list[str]) -> tuple[EvalRunConfig, list[tuple[EvalEnvConfig, Env
     cfg = process_config(EvalRunConfig, argv)
     if cfg.target is None or cfg.run_id is None:
         raise ConfigError("the config has no `target` / `run_id`: start evaluations with `prime-rl eval`, which resolves the model")
+    local = cfg.target.type == "local"
+    envs: list[tuple[EvalEnvConfig, Environment]] = []
     try:
-        envs = [(entry, load_env(entry.env_config())) for entry in cfg.eval]
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    tokenizer = load_tokenizer(cfg.inference.model) if cfg.target.type == "local" else None
-    for entry, env in envs:
-        if env.tool_defs and cfg.target.type == "local" and cfg.inference.tool_call_parser is None:
-            raise ConfigError(
-                f"environment {entry.id!r} calls tools: set `[inference] tool_call_parser` to vLLM's parser for the "
-                "model family (\"hermes\" for Qwen3, Qwen2.5 and the tiny test model)"
-            )
+        for entry in cfg.eval:
+            envs.append((entry, load_env(entry.env_config(), cfg.inference.output_dir, cfg.inference.model if local else None)))
+        tokenizer = load_tokenizer(cfg.inference.model) if local else None
+        for entry, env in envs:
+            if env.tool_defs and local and cfg.inference.tool_call_parser is None:
+                raise ConfigError(
+                    f"environment {entry.id!r} calls tools: set `[inference] tool_call_parser` to vLLM's parser for the "
+                    "model family (\"hermes\" for Qwen3, Qwen2.5 and the tiny test model)"
+                )
+    except (ValueError, ConfigError) as e:
+        for _, env in envs:
+            env.close()
+        raise e if isinstance(e, ConfigError) else ConfigError(str(e)) from None
     return cfg, envs, tokenizer
 
 
@@ -300,14 +306,17 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         log("interrupted")
         return 130
-    except (OSError, InferenceError, ExceptionGroup) as e:  # TimeoutError is an OSError
+    except (OSError, InferenceError, EnvironmentWorkerError, ExceptionGroup) as e:  # TimeoutError is an OSError
         errors = leaf_errors(e)
-        if not all(isinstance(err, OSError | InferenceError) for err in errors):
+        if not all(isinstance(err, OSError | InferenceError | EnvironmentWorkerError) for err in errors):
             raise
         # Expected failures (a server missing or misbehaving, a disk full): once each, no traceback.
         for message in dict.fromkeys(one_line(err) for err in errors):
             log(f"error: {message}")
         return 1
+    finally:
+        for _, env in envs:
+            env.close()
     return 0
 
 

@@ -12,6 +12,8 @@ without a model. Lets the orchestrator (or anyone) run without vLLM.
   ``prompt_logprobs`` (any prompt), ``choices[0].prompt_logprobs`` gives every prompt token
   after the first the logprob ``prompt_logprob`` (set it per server to fake a replica on
   other weights).
+- ``POST /v1/chat/completions/derender``: tool calls read from completions' text as
+  hermes does (`<tool_call>{"name": ..., "arguments": ...}</tool_call>`).
 - ``GET /health``, ``POST /pause``, ``/collective_rpc``, ``/reset_prefix_cache``,
   ``/resume``: answered like vLLM's dev-mode server and recorded in ``calls`` in order.
 - fault injection: ``fail`` ({path: status}) makes that path answer the status, ``delay``
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import threading
 import time
@@ -145,6 +148,8 @@ class FakeInferenceServer:
             return 200, self.prompt_scores(body)
         if method == "POST" and route == "/v1/completions":
             return 200, self.completion(body, index)
+        if method == "POST" and route == "/v1/chat/completions/derender":
+            return 200, self.derender(body)
         if method == "POST" and route == "/pause":
             self.paused = True
             return 200, {"status": "paused"}
@@ -194,6 +199,26 @@ class FakeInferenceServer:
                 "prompt_token_ids": prompt_ids if body.get("return_token_ids") else None,
             })
         return {"id": f"cmpl-{index}", "object": "text_completion", "created": 0, "model": body.get("model"), "choices": choices}
+
+    def derender(self, body: dict[str, Any]) -> dict[str, Any]:
+        """vLLM's derender route with a hermes-style parser: every `<tool_call>{"name": ...,
+        "arguments": {...}}</tool_call>` in a completion's text (its bytes) becomes a tool call,
+        the rest is the content."""
+        choices = []
+        for choice in body["generate_response"]["choices"]:
+            text = bytes(t for t in choice["token_ids"] if t < 256).decode(errors="replace")
+            calls = []
+            for i, match in enumerate(re.finditer(r"<tool_call>(.*?)</tool_call>", text, re.S)):
+                try:
+                    call = json.loads(match.group(1))
+                    calls.append({"id": f"call_{i}", "type": "function",
+                                  "function": {"name": call["name"], "arguments": json.dumps(call.get("arguments", {}))}})
+                except (ValueError, KeyError, TypeError):
+                    continue
+            content = re.sub(r"<tool_call>.*?</tool_call>", "", text, flags=re.S).strip() if calls else text
+            message = {"role": "assistant", "content": content, "tool_calls": calls}
+            choices.append({"index": choice["index"], "message": message, "finish_reason": "tool_calls" if calls else "stop"})
+        return {"id": "derender", "object": "chat.completion", "choices": choices}
 
     def prompt_scores(self, body: dict[str, Any]) -> dict[str, Any]:
         """A completion asked for ``prompt_logprobs`` (the client's weights probe): vLLM's shape,

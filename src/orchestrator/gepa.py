@@ -43,6 +43,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from orchestrator.client import InferenceError
 from orchestrator.envs import load_env
+from orchestrator.envworker import EnvironmentWorkerError
 from orchestrator.eval import SAMPLERS, interrupt, make_client, one_line, with_api_key
 from orchestrator.gepa_adapter import COMPONENT, EnvironmentAdapter, NoSystemPrompt, seed_prompt
 from orchestrator.main import load_tokenizer
@@ -69,10 +70,13 @@ def setup(argv: list[str]) -> tuple[GepaRunConfig, Task]:
     if cfg.target is None or cfg.reflection_target is None or cfg.run_id is None:
         raise ConfigError("the config has no `target` / `reflection_target` / `run_id`: start it with `prime-rl gepa`")
     entry = cfg.env[0]
+    env = None
     try:
-        env = load_env(entry)
+        env = load_env(entry, cfg.inference.output_dir, cfg.inference.model if cfg.target.type == "local" else None)
         seed = seed_prompt(env, entry.id)
     except (ValueError, NoSystemPrompt) as e:
+        if env is not None:
+            env.close()
         raise ConfigError(str(e)) from None
     train, val = list(env.dataset[: cfg.gepa.num_train]), env.eval_examples(cfg.gepa.num_val)
     if len(val) < cfg.gepa.num_val:
@@ -260,6 +264,17 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, interrupt)
     try:
         cfg, task = setup(argv)
+    except ConfigError as e:
+        log(one_line(e))
+        return 2
+    try:
+        return optimize(cfg, task)
+    finally:
+        task.env.close()
+
+
+def optimize(cfg: GepaRunConfig, task: Task) -> int:
+    try:
         check_reachable(cfg.client, cfg.target, "rollout")
         check_reachable(cfg.reflection_client, cfg.reflection_target, "reflection")
     except ConfigError as e:
@@ -284,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
             result = search(cfg, task, adapter, teacher, bar, search_log)
     except KeyboardInterrupt:
         interrupted, code = True, 130
-    except (OSError, InferenceError) as e:  # TimeoutError is an OSError
+    except (OSError, InferenceError, EnvironmentWorkerError) as e:  # TimeoutError is an OSError
         log(f"error: {one_line(e)}")
         code = 1
     finally:

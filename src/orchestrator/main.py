@@ -35,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 from prime_rl.chat import TemplateError
-from prime_rl.config import OrchestratorConfig, check_model_path
+from prime_rl.config import EnvConfig, OrchestratorConfig, check_model_path
 from prime_rl.envs import Environment, Rollout
 from prime_rl.metrics import Metrics, make_metrics
 from prime_rl.rundir import MARKER, latest_weights_step, weights_dir, weights_step_dir
@@ -47,6 +47,7 @@ from orchestrator.batch import ScoredRollout, pack_batches
 from orchestrator.client import InferenceClient, InferenceError
 from orchestrator.data import ExampleOrder
 from orchestrator.envs import load_env
+from orchestrator.envworker import EnvironmentWorkerError
 from orchestrator.preflight import PreflightFailed, preflight
 from orchestrator.progress import ResumeError, StepRecord, plan_resume, prune_records, repacked_frames, save_record
 from orchestrator.rollouts import run_groups, summarize
@@ -375,26 +376,45 @@ def setup(argv: list[str]) -> tuple[OrchestratorConfig, list[tuple[str, Environm
     """Config, environments (by metric name) and tokenizer; raises ConfigError for anything
     the user must fix first (including a chat template multi-turn rollouts cannot use)."""
     cfg = process_config(OrchestratorConfig, argv)
+    envs = load_envs(cfg.env, cfg.output_dir, cfg.tokenizer or cfg.model)
     try:
-        envs = [(env_cfg.metric_name, load_env(env_cfg)) for env_cfg in cfg.env]
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    for (_, env), env_cfg in zip(envs, cfg.env):
-        if not env.dataset:
-            raise ConfigError(f"environment {env_cfg.id!r} has no training examples (only an eval split)")
-    for (_, env), env_cfg in zip(envs, cfg.env):
-        if env.tool_defs and cfg.tool_call_parser is None:
-            raise ConfigError(
-                f"environment {env_cfg.id!r} calls tools: set `[inference] tool_call_parser` to vLLM's parser for "
-                "the model family (\"hermes\" for Qwen3, Qwen2.5 and the tiny test model)"
-            )
-    tokenizer = load_tokenizer(cfg.tokenizer or cfg.model)
-    if cfg.multi_turn == "sequence" and any(env.max_turns != 1 for _, env in envs):
-        try:
-            check_multi_turn_template(tokenizer, cfg.tokenizer or cfg.model)
-        except TemplateError as e:
-            raise ConfigError(str(e)) from None
+        for (_, env), env_cfg in zip(envs, cfg.env):
+            if not env.dataset:
+                raise ConfigError(f"environment {env_cfg.id!r} has no training examples (only an eval split)")
+        for (_, env), env_cfg in zip(envs, cfg.env):
+            if env.tool_defs and cfg.tool_call_parser is None:
+                raise ConfigError(
+                    f"environment {env_cfg.id!r} calls tools: set `[inference] tool_call_parser` to vLLM's parser for "
+                    "the model family (\"hermes\" for Qwen3, Qwen2.5 and the tiny test model)"
+                )
+        tokenizer = load_tokenizer(cfg.tokenizer or cfg.model)
+        if cfg.multi_turn == "sequence" and any(env.max_turns != 1 for _, env in envs):
+            try:
+                check_multi_turn_template(tokenizer, cfg.tokenizer or cfg.model)
+            except TemplateError as e:
+                raise ConfigError(str(e)) from None
+    except ConfigError:
+        close_envs(envs)
+        raise
     return cfg, envs, tokenizer
+
+
+def load_envs(entries: list[EnvConfig], run_dir: Path, tokenizer: str | None = None) -> list[tuple[str, Environment]]:
+    """Every entry's environment (by metric name); the ones already started are closed again
+    when a later one fails."""
+    envs: list[tuple[str, Environment]] = []
+    try:
+        for env_cfg in entries:
+            envs.append((env_cfg.metric_name, load_env(env_cfg, run_dir, tokenizer)))
+    except ValueError as e:
+        close_envs(envs)
+        raise ConfigError(str(e)) from None
+    return envs
+
+
+def close_envs(envs: list[tuple[str, Environment]]) -> None:
+    for _, env in envs:
+        env.close()
 
 
 def load_tokenizer(name: str):
@@ -420,15 +440,17 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         asyncio.run(run(cfg, envs, tokenizer))
-    except (OSError, InferenceError, ResumeError, PreflightFailed, TemplateError, ExceptionGroup) as e:  # TimeoutError is an OSError
+    except (OSError, InferenceError, ResumeError, PreflightFailed, TemplateError, EnvironmentWorkerError, ExceptionGroup) as e:  # TimeoutError is an OSError
         errors = leaf_errors(e)
-        expected = OSError | InferenceError | ResumeError | PreflightFailed | TemplateError
+        expected = OSError | InferenceError | ResumeError | PreflightFailed | TemplateError | EnvironmentWorkerError
         if not all(isinstance(err, expected) for err in errors):
             raise
         # Expected failures (a peer missing or misbehaving): the message, once, without a traceback.
         for message in dict.fromkeys(str(err) for err in errors):
             print(f"[orchestrator] error: {message}", file=sys.stderr)
         return 2 if all(isinstance(err, PreflightFailed) for err in errors) else 1
+    finally:
+        close_envs(envs)
     return 0
 
 

@@ -71,6 +71,28 @@ class TokenSampler:
             for r, (text, calls) in zip(results, parsed)
         ]
 
+    async def extend(self, prompt: list[int], context: Sequence[Turn]) -> ModelReply:
+        """One reply to a prompt the environment rendered to token ids itself (a verifiers v1
+        taskset's client does). It must extend the exact tokens of ``context``, this rollout's
+        previous turns, which the trainer sees as they were sampled; only the new tokens
+        become this turn's ``prompt_ids``."""
+        new = list(prompt)
+        if context and not self.per_turn:
+            prefix = [t for turn in context for t in (*turn.prompt_ids, *turn.completion_ids)]
+            if new[: len(prefix)] != prefix:
+                raise TemplateError(
+                    "the environment's client re-rendered earlier turns instead of extending their sampled tokens; "
+                    "set orchestrator.multi_turn = \"per_turn\" to train each turn as its own sample"
+                )
+            new = new[len(prefix):]
+        room = self.seq_len - len(prompt)
+        if room < 1:
+            raise PromptTooLong(f"the prompt has {len(prompt)} tokens; seq_len is {self.seq_len}")
+        (r,) = await self.client.complete_n(
+            list(prompt), n=1, max_tokens=min(self.sampling.max_tokens, room), temperature=self.sampling.temperature
+        )
+        return ModelReply(r.text, r.finish_reason, Turn(new, r.completion_ids, r.completion_logprobs))
+
     async def parse_tool_calls(
         self, prompt: list[int], results: list[Completion], tools: list[dict[str, Any]]
     ) -> list[tuple[str, tuple[ToolCall, ...]]]:

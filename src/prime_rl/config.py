@@ -14,13 +14,14 @@ process starts.
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import re
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from prime_rl import registry
 
 
 class StrictModel(BaseModel):
@@ -31,40 +32,32 @@ class StrictModel(BaseModel):
 
 # --------------------------------------------------------------------------- environments
 
-# Ids the orchestrator ships (`orchestrator.envs.REGISTRY` must match; a test checks it).
-KNOWN_ENVIRONMENTS = ("reverse-text", "alphabet-sort", "gsm8k", "wordle", "wiki-search", "math-python")
-TOOL_ENVIRONMENTS = ("wiki-search", "math-python")
+# The built-in ids come from one registry (`prime_rl/registry.toml`), which the orchestrator
+# loads environments through as well.
+KNOWN_ENVIRONMENTS = tuple(registry.builtins())
+TOOL_ENVIRONMENTS = tuple(env_id for env_id, entry in registry.builtins().items() if entry.tools)
 """Built-ins that call tools: they need `[inference] tool_call_parser`."""
-_HUB_PREFIX = "primeintellect/"
+environment_name = registry.environment_name
+environment_module = registry.environment_module
 
 
-def environment_name(env_id: str) -> str:
-    """`primeintellect/reverse-text` -> `reverse-text` (the hosted form names the owner)."""
-    return env_id.removeprefix(_HUB_PREFIX)
-
-
-def environment_module(env_id: str) -> str:
-    """The module a user's environment id names: `my-env` or `org/my-env` -> `my_env`
-    (a dotted module path is kept as it is)."""
-    return env_id.split("/")[-1].replace("-", "_")
-
-
-def check_environment_id(env_id: str) -> None:
+def check_environment_id(env_id: str, python: Path | None = None) -> None:
     """Built-in id (with or without `primeintellect/`), or an importable module (dashes ->
-    underscores); anything else fails clearly, before any process starts."""
-    if environment_name(env_id) in KNOWN_ENVIRONMENTS:
+    underscores), in this project's Python or in the one the entry names; anything else
+    fails clearly, before any process starts."""
+    if python is not None:
+        if registry.builtin(env_id) is not None:
+            raise ValueError(f"environment {env_id!r} is built in: it runs in prime-rl's own Python; remove `python`")
+        registry.check_worker_python(env_id, python)
+        return
+    if registry.builtin(env_id) is not None or registry.importable_here(registry.resolve(env_id)):
         return
     module = environment_module(env_id)
-    if re.fullmatch(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*", module):
-        try:
-            if importlib.util.find_spec(module) is not None:
-                return
-        except (ImportError, ValueError):
-            pass
     raise ValueError(
         f"unknown environment id {env_id!r}; known: {', '.join(KNOWN_ENVIRONMENTS)}. A module of your own "
         f"works once it is importable as {module!r} and defines load_environment(): install it into this "
-        "environment (`uv pip install -e ./my-env`) or put it on PYTHONPATH"
+        "environment (`uv pip install -e ./my-env`) or put it on PYTHONPATH; a verifiers environment can also "
+        "live in a virtual environment of its own: set `python = \"/path/to/venv/bin/python\"` in its entry"
     )
 
 
@@ -125,7 +118,7 @@ class SamplingConfig(StrictModel):
 
 class EnvConfig(StrictModel):
     id: str = "reverse-text"
-    """Environment id: built-in (`reverse-text`, `alphabet-sort`, `gsm8k`, `wordle`, with or without `primeintellect/`) or an importable module defining `load_environment` (`my-env` imports `my_env`)."""
+    """Environment id: built-in (`reverse-text`, `alphabet-sort`, `gsm8k`, `wordle`, `wiki-search`, `math-python`, with or without `primeintellect/`) or a module defining `load_environment` (`my-env` imports `my_env`): one written against `prime_rl.envs`, a classic verifiers environment, or a module exporting a verifiers v1 `Taskset`."""
 
     args: dict[str, Any] = {}
     """Keyword arguments passed to the environment's `load_environment`."""
@@ -139,9 +132,18 @@ class EnvConfig(StrictModel):
     system_prompt_file: Path | None = None
     """A file whose text replaces the environment's system prompt, e.g. the `best_prompt.txt` of `prime-rl gepa`; None = the environment's own."""
 
+    python: Path | None = None
+    """The Python of a virtual environment that holds this environment and its verifiers (0.3.x classic or 0.4.x v1), e.g. `/path/to/venv/bin/python`: the environment then runs there, in a worker process of the orchestrator. None = prime-rl's own Python."""
+
+    max_concurrent: int = Field(64, ge=1)
+    """Most groups of this environment played at once in its worker process (with `python`, or a verifiers environment)."""
+
+    worker_timeout_s: float = Field(120.0, gt=0)
+    """A worker process that sends nothing for this long (it sends a heartbeat every 2 s) is taken to hang: the run stops with an error naming the environment."""
+
     @model_validator(mode="after")
     def _known_environment(self) -> EnvConfig:
-        check_environment_id(self.id)
+        check_environment_id(self.id, self.python)
         check_prompt_file(self.system_prompt_file)
         if self.name is not None and not re.fullmatch(r"[\w.-]+", self.name):
             raise ValueError(f"env name {self.name!r} may only hold letters, digits, `_`, `-` and `.`")
@@ -1012,6 +1014,9 @@ class EvalEnvConfig(StrictModel):
     system_prompt_file: Path | None = None
     """A file whose text replaces the environment's system prompt (`--system-prompt-file`), e.g. the `best_prompt.txt` of `prime-rl gepa`."""
 
+    python: Path | None = None
+    """The Python of a virtual environment holding this environment and its verifiers, as in `[[env]]`; None = prime-rl's own."""
+
     @model_validator(mode="before")
     @classmethod
     def _documented_names(cls, data: Any) -> Any:
@@ -1026,7 +1031,7 @@ class EvalEnvConfig(StrictModel):
 
     @model_validator(mode="after")
     def _known_environment(self) -> EvalEnvConfig:
-        check_environment_id(self.id)
+        check_environment_id(self.id, self.python)
         check_prompt_file(self.system_prompt_file)
         if self.name is not None and not re.fullmatch(r"[\w.-]+", self.name):
             raise ValueError(f"eval name {self.name!r} may only hold letters, digits, `_`, `-` and `.`")
@@ -1040,7 +1045,7 @@ class EvalEnvConfig(StrictModel):
 
     def env_config(self) -> EnvConfig:
         """The `[[env]]` form the environment loader takes."""
-        return EnvConfig(id=self.id, args=self.args, name=self.name, system_prompt_file=self.system_prompt_file)
+        return EnvConfig(id=self.id, args=self.args, name=self.name, system_prompt_file=self.system_prompt_file, python=self.python)
 
 
 class EvalSamplingConfig(StrictModel):

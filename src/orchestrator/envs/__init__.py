@@ -1,54 +1,102 @@
 """The built-in environments and how an `[[env]]` entry becomes an environment.
 
-``REGISTRY`` maps each built-in id to its module; its keys must equal
-``prime_rl.config.KNOWN_ENVIRONMENTS`` (tested), so the launcher can validate ids without
-importing this package. Any other id names a user's module (``my-env`` -> ``my_env``),
-which must define ``load_environment(**args)`` returning a ``prime_rl.envs.Environment``.
+Every id goes through one path: ``prime_rl.registry.resolve`` names the module (a built-in's
+from ``registry.toml``, a user's by the id: ``my-env`` -> ``my_env``), and the module's
+``load_environment(**args)`` builds the environment. What it returns decides where it runs:
+
+- a ``prime_rl.envs.Environment``: in the orchestrator itself (the built-ins, and users'
+  modules written against ``prime_rl.envs``);
+- a verifiers environment (classic ``vf.Environment``, or a module exporting a v1
+  ``vf.Taskset``): in a worker process (``orchestrator.envworker``), in the Python the entry
+  names with ``python``, or this one when verifiers is installed here.
 """
 
 from __future__ import annotations
 
 import importlib
+import signal
+import sys
 from pathlib import Path
 
-from prime_rl.config import EnvConfig, environment_module, environment_name
+from prime_rl.config import EnvConfig
 from prime_rl.envs import DatasetUnavailable, Environment
 from prime_rl.envs.sandbox import SandboxUnavailable
+from prime_rl.registry import builtins, resolve
 
-REGISTRY: dict[str, str] = {
-    "reverse-text": "orchestrator.envs.reverse_text",
-    "alphabet-sort": "orchestrator.envs.alphabet_sort",
-    "gsm8k": "orchestrator.envs.gsm8k",
-    "wordle": "orchestrator.envs.wordle",
-    "wiki-search": "orchestrator.envs.wiki_search",
-    "math-python": "orchestrator.envs.math_python",
-}
+from orchestrator.envworker import EnvironmentWorkerError, WorkerEnvironment, start_worker_env
+
+REGISTRY: dict[str, str] = {env_id: entry.module for env_id, entry in builtins().items()}
+"""Built-in id -> module, as `prime_rl/registry.toml` lists them."""
+
+LOAD_TIMEOUT_S = 900.0
+"""Longest a worker may take to load its environment (datasets are built at load time)."""
 
 
-def load_env(env_cfg: EnvConfig) -> Environment:
-    """Built-in id (``primeintellect/`` prefix allowed) or a user's module; any problem is a
-    ValueError naming the environment and what was expected."""
-    module_path = REGISTRY.get(environment_name(env_cfg.id)) or environment_module(env_cfg.id)
+def load_env(env_cfg: EnvConfig, run_dir: Path | None = None, tokenizer: str | None = None) -> Environment:
+    """Built-in id (``primeintellect/`` prefix allowed) or a user's module, in this Python or in
+    a worker (its log: ``run_dir``/logs/env-<name>.log); any problem is a ValueError naming the environment
+    and what was expected. ``tokenizer`` (the policy's) is what a v1 taskset renders prompts with."""
+    if env_cfg.python is not None:
+        env = worker_env(env_cfg, str(env_cfg.python), run_dir, tokenizer)
+    else:
+        env = local_env(env_cfg, run_dir, tokenizer)
+    if not env.dataset and not env.eval_dataset:
+        env.close()
+        raise ValueError(f"environment {env_cfg.id!r}: load_environment() returned an environment with no examples")
+    if env_cfg.system_prompt_file is not None:
+        env.use_system_prompt(Path(env_cfg.system_prompt_file).read_text().strip())
+    return env
+
+
+def local_env(env_cfg: EnvConfig, run_dir: Path | None, tokenizer: str | None) -> Environment:
+    module_path = resolve(env_cfg.id)
     try:
         module = importlib.import_module(module_path)
     except ImportError as e:
+        if (e.name or "").split(".")[0] == "verifiers":
+            raise ValueError(
+                f"environment {env_cfg.id!r}: module {module_path!r} imports verifiers, which prime-rl's own Python does "
+                "not have: make a virtual environment with the environment and its verifiers version, and name its "
+                "Python in the entry: `python = \"/path/to/venv/bin/python\"` (docs/environments.md)"
+            ) from e
         raise ValueError(f"environment {env_cfg.id!r}: cannot import module {module_path!r}: {e}") from e
+    if is_verifiers(module):  # verifiers is installed here: it still runs in a worker, not in this process
+        return worker_env(env_cfg, sys.executable, run_dir, tokenizer)
     load = getattr(module, "load_environment", None)
     if not callable(load):
         raise ValueError(f"environment {env_cfg.id!r}: module {module_path!r} has no load_environment()")
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         env = load(**env_cfg.args)
     except TypeError as e:  # usually a wrong keyword in [[env]] args
         raise ValueError(f"environment {env_cfg.id!r}: load_environment(**{env_cfg.args!r}) failed: {e}") from e
     except (DatasetUnavailable, SandboxUnavailable) as e:
         raise ValueError(f"environment {env_cfg.id!r}: {e}") from e
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
     if not isinstance(env, Environment):
         raise ValueError(
             f"environment {env_cfg.id!r}: load_environment() returned {type(env).__name__}, expected a "
-            "prime_rl.envs.Environment (SingleTurnEnv, MultiTurnEnv or a subclass)"
+            "prime_rl.envs.Environment (SingleTurnEnv, MultiTurnEnv or a subclass) or a verifiers environment"
         )
-    if not env.dataset and not env.eval_dataset:
-        raise ValueError(f"environment {env_cfg.id!r}: load_environment() returned an environment with no examples")
-    if env_cfg.system_prompt_file is not None:
-        env.use_system_prompt(Path(env_cfg.system_prompt_file).read_text().strip())
+    return env
+
+
+def is_verifiers(module) -> bool:
+    """The module is written against verifiers (it imported it; prime_rl.envs modules do not)."""
+    return any(getattr(value, "__name__", "").split(".")[0] == "verifiers" or
+               (getattr(value, "__module__", None) or "").split(".")[0] == "verifiers"
+               for value in vars(module).values())
+
+
+def worker_env(env_cfg: EnvConfig, python: str, run_dir: Path | None, tokenizer: str | None) -> WorkerEnvironment:
+    name = env_cfg.metric_name
+    log = (run_dir or Path("outputs/run")) / "logs" / f"env-{name}.log"
+    try:
+        env = start_worker_env(name, env_cfg.id, resolve(env_cfg.id), dict(env_cfg.args), python, log,
+                               env_cfg.max_concurrent, LOAD_TIMEOUT_S, env_cfg.worker_timeout_s, tokenizer)
+    except EnvironmentWorkerError as e:
+        raise ValueError(str(e)) from None
+    print(f"[orchestrator] environment {name!r}: {env.describe()}", flush=True)
     return env

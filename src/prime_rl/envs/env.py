@@ -214,6 +214,10 @@ class Environment:
         """Called once per rollout after it is scored, also when it failed (sync or async):
         release what ``setup_state`` acquired (a scratch directory, a connection)."""
 
+    def close(self) -> None:
+        """Release what the environment holds for the whole run (a worker process); the
+        orchestrator, eval and GEPA call it once at the end."""
+
     def rollout_metrics(self, state: State) -> dict[str, float]:
         """Metrics the environment itself counts (tool calls, errors), beside the rubric's."""
         return {}

@@ -1,0 +1,327 @@
+"""Classic verifiers environments (verifiers 0.3.1), unchanged, in their own virtual environment.
+
+The fixture packages (tests/fixtures/verifiers_envs) are installed with verifiers==0.3.1
+into a cached throwaway venv (tests/verifiers_venvs.py); `[[env]] python` names its
+interpreter. The orchestrator runs each environment in a worker process there and answers
+every model call itself, here against the fake vLLM (this test plays the trainer), and the
+batches are checked token by token against what the fake server was sent and returned.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from prime_rl.wire import sample_arrays
+
+from orchestrator.fake_inference import IM_END, LOGPROB, FakeInferenceServer
+
+from helpers import REPO, free_port, new_tag, orchestrator_process, tagged_processes
+from verifiers_venvs import verifiers_venv
+
+CLASSIC = ["vf-single", "vf-multi", "vf-tools", "vf-group", "vf-reverse-text", "vf-broken"]
+
+
+@pytest.fixture(scope="session")
+def vf03_python():
+    return verifiers_venv("0.3.1", CLASSIC)
+
+
+def orchestrator_config(tmp_path, model, env: dict, server_url: str, **extra) -> dict:
+    return {
+        "model": str(model),
+        "env": [env],
+        "sampling": {"max_tokens": 64},
+        "transport": {"port": free_port(), "timeout_s": 60},
+        "preflight": {"enabled": False},
+        "batch_size": 4,
+        "rollouts_per_example": 2,
+        "max_steps": 1,
+        "seq_len": 1024,
+        "output_dir": str(tmp_path),
+        "client": {"base_url": server_url, "timeout_s": 10},
+        **extra,
+    }
+
+
+def one_batch(config: dict, tmp_path, env: dict | None = None):
+    with orchestrator_process(config, tmp_path, env=env, receive_timeout_s=90) as receive:
+        batch = receive(0)
+    return [s for m in batch.micro_batches for s in m.samples]
+
+
+def metrics_row(run_dir) -> dict:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return next(r for r in rows if r.get("process", "orchestrator") == "orchestrator" and r["step"] == 0)
+
+
+def completion_prompts(server: FakeInferenceServer) -> list[list[int]]:
+    """The token-id prompt of every sampling request the fake server received."""
+    return [[int(t) for t in body["prompt"]] for _, path, body in server.calls
+            if path.startswith("/v1/completions") and body.get("prompt_logprobs") is None]
+
+
+def spans(mask) -> list[tuple[int, int]]:
+    """[start, end) of every run of loss tokens."""
+    runs, start = [], None
+    for i, m in enumerate(list(mask) + [0]):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            runs.append((start, i))
+            start = None
+    return runs
+
+
+def text(ids) -> str:
+    return bytes(t for t in ids if t < 256).decode(errors="replace")
+
+
+# --------------------------------------------------------------------------- single turn
+
+
+def reverse(messages, index):
+    return str(messages[-1]["content"])[::-1] if index % 2 == 0 else "nope"
+
+
+def test_classic_single_turn_env_is_played_with_exact_tokens(vf03_python, tmp_path, tiny_model):
+    with FakeInferenceServer(responder=reverse) as server:
+        config = orchestrator_config(tmp_path, tiny_model, {"id": "vf-single", "python": str(vf03_python)}, server.url)
+        samples = one_batch(config, tmp_path)
+        prompts = completion_prompts(server)
+    assert len(samples) == 4
+    for sample in samples:
+        ids, mask, logprobs = sample_arrays(sample)
+        (span,) = spans(mask)
+        # the sequence is exactly a prompt the fake server was sent, then what it sampled
+        assert ids[: span[0]].tolist() in prompts
+        assert span[1] == len(ids) and ids[-1] == IM_END
+        assert logprobs[mask].tolist() == pytest.approx([LOGPROB] * int(mask.sum()))
+        question = text(ids[: span[0]]).split("user\n")[-1].split("\n")[0]
+        reply = text(ids[span[0] :])  # the sampled text, without <|im_end|>
+        assert sample.reward == pytest.approx(difflib.SequenceMatcher(None, reply.strip(), question[::-1]).ratio())
+        assert "Reverse the text character by character." in text(ids[: span[0]])  # the env's system prompt
+    assert sorted(s.reward for s in samples)[-1] == pytest.approx(1.0)
+    row = metrics_row(tmp_path)
+    assert {"reward/vf-single/mean", "metrics/vf-single/lcs_reward", "metrics/vf-single/answer_len"} <= row.keys()
+    assert row["errors/vf-single/lcs_reward"] == 0
+    log = (tmp_path / "logs" / "env-vf-single.log").read_text()
+    assert "loaded a classic verifiers environment (SingleTurnEnv) with verifiers 0.3.1" in log
+
+
+# --------------------------------------------------------------------------- multi-turn
+
+
+def chatter(messages, index):
+    return f"reply {index} about the topic"
+
+
+def test_classic_multi_turn_env_concatenates_the_sampled_turns(vf03_python, tmp_path, tiny_model):
+    with FakeInferenceServer(responder=chatter) as server:
+        config = orchestrator_config(tmp_path, tiny_model, {"id": "vf-multi", "python": str(vf03_python)}, server.url)
+        samples = one_batch(config, tmp_path)
+        requests = [body for _, path, body in server.calls if path.startswith("/v1/completions")]
+    assert len(samples) == 4 and len(requests) == 12  # 4 rollouts x 3 turns
+    for sample in samples:
+        ids, mask, _ = sample_arrays(sample)
+        runs = spans(mask)
+        assert len(runs) == 3, "three model turns, each its own span of sampled tokens"
+        for k, (start, end) in enumerate(runs):
+            # turn k's prompt is the sequence so far, exactly: a request the fake server received
+            assert any([int(t) for t in body["prompt"]] == ids[:start].tolist() for body in requests), f"turn {k}"
+            assert text(ids[start:end]).startswith("reply ") and ids[end - 1] == IM_END
+        between = text(ids[runs[0][1] : runs[1][0]])
+        assert "user\n" in between and not mask[runs[0][1] : runs[1][0]].any()  # the env's message: in the sequence, out of the loss
+    row = metrics_row(tmp_path)
+    assert row["metrics/vf-multi/num_turns"] == pytest.approx(3.0)
+    assert row["stop/enough_turns_frac"] == pytest.approx(1.0)
+    assert row["seq/turns_mean"] == pytest.approx(3.0)
+
+
+# --------------------------------------------------------------------------- tools
+
+
+def call_then_answer(messages, index):
+    """First turn: call the tool the question names; after its result (a user turn of the
+    template, `<tool_response>` being a special token the fake's decoding drops): answer with it."""
+    last = str(messages[-1]["content"])
+    if "?" not in last:
+        return "The answer is " + last.strip()
+    if "add tool" in last:
+        a, b = [int(w) for w in last.replace("?", " ").split() if w.isdigit()][:2]
+        call = {"name": "add", "arguments": {"a": a, "b": b}}
+    else:
+        call = {"name": "lookup", "arguments": {"key": last.split("'")[1]}}
+    return f"<tool_call>{json.dumps(call)}</tool_call>"
+
+
+def test_classic_tool_env_runs_verifiers_tools_on_calls_parsed_by_the_server(vf03_python, tmp_path, tiny_model):
+    with FakeInferenceServer(responder=call_then_answer) as server:
+        config = orchestrator_config(tmp_path, tiny_model, {"id": "vf-tools", "python": str(vf03_python)}, server.url,
+                                     tool_call_parser="hermes", sampling={"max_tokens": 128})
+        samples = one_batch(config, tmp_path)
+        derendered = [p for _, p, _ in server.calls if p == "/v1/chat/completions/derender"]
+    assert derendered, "tool calls are read by the server's parser"
+    row = metrics_row(tmp_path)
+    assert row["metrics/vf-tools/total_tool_calls"] == pytest.approx(1.0)
+    assert row["reward/vf-tools/mean"] == pytest.approx(1.0), "the tool's result reached the model and the answer"
+    from transformers import AutoTokenizer
+
+    tool_response = AutoTokenizer.from_pretrained(tiny_model).convert_tokens_to_ids("<tool_response>")
+    for sample in samples:
+        ids, mask, _ = sample_arrays(sample)
+        runs = spans(mask)
+        assert len(runs) == 2
+        between = ids[runs[0][1] : runs[1][0]]
+        assert tool_response in between.tolist() and not mask[runs[0][1] : runs[1][0]].any()  # the tool result: out of the loss
+        assert text(between).strip().split("\n")[-3] in text(ids[runs[1][0] :])  # ... and what the model answered with
+
+
+# --------------------------------------------------------------------------- group rewards, errors
+
+
+def same_word(messages, index):
+    return str(messages[-1]["content"]).split()[-1] if index % 2 == 0 else f"other{index}"
+
+
+def test_group_reward_functions_and_rubric_groups_score_whole_groups(vf03_python, tmp_path, tiny_model):
+    with FakeInferenceServer(responder=same_word) as server:
+        config = orchestrator_config(tmp_path, tiny_model, {"id": "vf-group", "python": str(vf03_python)}, server.url,
+                                     batch_size=8, rollouts_per_example=4)
+        samples = one_batch(config, tmp_path)
+    row = metrics_row(tmp_path)
+    for name in ("exact_match", "diversity", "brevity", "num_chars"):
+        assert f"metrics/vf-group/{name}" in row and row[f"errors/vf-group/{name}"] == 0
+    # diversity is a group function: 1 for a completion unique within its group, 0 for a repeat
+    assert 0.0 < row["metrics/vf-group/diversity"] < 1.0
+    assert len({round(s.advantage, 6) for s in samples}) > 1
+
+
+def test_a_raising_reward_function_scores_zero_and_is_counted(vf03_python, tmp_path, tiny_model):
+    with FakeInferenceServer(responder=reverse) as server:
+        env = {"id": "vf-broken", "python": str(vf03_python), "args": {"mode": "reward"}}
+        samples = one_batch(orchestrator_config(tmp_path, tiny_model, env, server.url), tmp_path)
+    row = metrics_row(tmp_path)
+    assert row["errors/vf-broken/explode"] == 4 and row["metrics/vf-broken/explode"] == 0.0
+    assert row["errors/vf-broken/always_one"] == 0 and row["metrics/vf-broken/always_one"] == 1.0
+    assert all(s.reward == pytest.approx(1.0) for s in samples)
+    log = (tmp_path / "logs" / "env-vf-broken.log").read_text()
+    assert log.count("reward function explode raised") == 1 and "ZeroDivisionError" in log
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+def dry_run(tmp_path, model, entry: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    config = tmp_path / "rl.toml"
+    config.write_text(f'model = "{model}"\noutput_dir = "{tmp_path / "run"}"\n[[env]]\n{entry}\n')
+    return subprocess.run([sys.executable, "-m", "prime_rl.cli", str(config), "--dry-run"], capture_output=True,
+                          text=True, env=env, cwd=tmp_path)
+
+
+def test_bad_python_entries_are_one_line_errors_before_anything_starts(vf03_python, tmp_path, tiny_model):
+    cases = {
+        f'id = "vf-single"\npython = "{tmp_path}/nope/bin/python"': "does not exist",
+        f'id = "vf-single"\npython = "{sys.executable}"': "has no verifiers installed",
+        f'id = "vf-nowhere"\npython = "{vf03_python}"': "module 'vf_nowhere' is not importable",
+        'id = "vf-single"': "imports verifiers",
+    }
+    for entry, expected in cases.items():
+        done = dry_run(tmp_path, tiny_model, entry)
+        if expected == "imports verifiers":  # found nowhere here: the launcher says how to name its Python
+            assert done.returncode == 2 and "python = " in done.stderr, done.stderr
+            continue
+        assert done.returncode == 2, done.stderr
+        (line,) = done.stderr.strip().splitlines()
+        assert expected in line and "prime-rl:" in line, line
+        assert not (tmp_path / "run").exists()
+
+
+def run_orchestrator_setup(tmp_path, model, env_entry: dict, env: dict | None = None) -> subprocess.CompletedProcess:
+    config = orchestrator_config(tmp_path, model, env_entry, "http://127.0.0.1:9")
+    path = tmp_path / "orchestrator.json"
+    path.write_text(json.dumps(config))
+    return subprocess.run([sys.executable, "-m", "orchestrator.main", "--config", str(path)], capture_output=True,
+                          text=True, timeout=180, env=env or {**os.environ, "PYTHONPATH": str(REPO / "src")})
+
+
+def test_an_environment_that_fails_to_load_is_one_line_naming_it(vf03_python, tmp_path, tiny_model):
+    done = run_orchestrator_setup(tmp_path, tiny_model, {"id": "vf-broken", "python": str(vf03_python)})
+    assert done.returncode == 2
+    (line,) = done.stderr.strip().splitlines()
+    assert "environment 'vf-broken'" in line and "ValueError: boom from load_environment" in line
+
+
+def test_a_load_that_reaches_for_the_hub_names_the_call_and_what_to_pass(vf03_python, tmp_path, tiny_model):
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "HF_HUB_OFFLINE": "1"}  # fail at once, as offline does after retries
+    done = run_orchestrator_setup(tmp_path, tiny_model, {"id": "vf-broken", "python": str(vf03_python),
+                                                         "args": {"mode": "hub"}}, env=env)
+    assert done.returncode == 2
+    (line,) = done.stderr.strip().splitlines()
+    assert "environment 'vf-broken'" in line and "datasets" in line and "load_dataset" in line
+    assert "reached for the network" in line and "pass a local copy" in line and "vf_broken.py" in line
+
+
+# --------------------------------------------------------------------------- the worker's life
+
+
+def slow_reply(messages, index):
+    time.sleep(0.5)
+    return "x"
+
+
+def test_killing_the_worker_stops_the_orchestrator_with_one_line_naming_the_environment(vf03_python, tmp_path, tiny_model):
+    tag = new_tag()
+    with FakeInferenceServer(responder=slow_reply) as server:
+        config = orchestrator_config(tmp_path, tiny_model, {"id": "vf-multi", "python": str(vf03_python)}, server.url,
+                                     max_steps=50)
+        path = tmp_path / "orchestrator.json"
+        path.write_text(json.dumps(config))
+        env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "PRIME_RL_TEST_TAG": tag}
+        proc = subprocess.Popen([sys.executable, "-m", "orchestrator.main", "--config", str(path)], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            deadline = time.monotonic() + 120
+            while not any("/v1/completions" in p for _, p, _ in server.calls):
+                assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+                time.sleep(0.2)
+            (worker,) = [pid for pid, cmd in tagged_processes(tag) if "vfworker_main.py" in cmd]
+            killed = time.monotonic()
+            os.kill(worker, signal.SIGKILL)
+            out, err = proc.communicate(timeout=30)
+            stopped_s = time.monotonic() - killed
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    assert proc.returncode == 1 and stopped_s < 10
+    (line,) = [l for l in err.strip().splitlines() if l.startswith("[orchestrator] error")]
+    assert "environment 'vf-multi'" in line and "killed by signal 9" in line and "env-vf-multi.log" in line
+    assert not tagged_processes(tag)
+
+
+def test_the_worker_dies_with_the_orchestrator(vf03_python, tmp_path, tiny_model):
+    tag = new_tag()
+    with FakeInferenceServer(responder=slow_reply) as server:
+        config = orchestrator_config(tmp_path, tiny_model, {"id": "vf-single", "python": str(vf03_python)}, server.url,
+                                     max_steps=50)
+        path = tmp_path / "orchestrator.json"
+        path.write_text(json.dumps(config))
+        env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "PRIME_RL_TEST_TAG": tag}
+        proc = subprocess.Popen([sys.executable, "-m", "orchestrator.main", "--config", str(path)], env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 120
+        while not any("/v1/completions" in p for _, p, _ in server.calls):
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.2)
+        proc.kill()  # SIGKILL: no clean-up of its own
+        proc.wait()
+        deadline = time.monotonic() + 10
+        while tagged_processes(tag) and time.monotonic() < deadline:
+            time.sleep(0.2)
+    assert not tagged_processes(tag), "the worker outlived the orchestrator"
