@@ -284,7 +284,14 @@ class WorkerEnvironment(Environment):
             raise EnvironmentWorkerError(f"unknown frame {op!r}")
 
     async def _answer(self, group: _Group, message: dict[str, Any]) -> None:
-        """One model call of the environment, sampled by the group's client."""
+        """One model call of the environment, sampled by the group's client. A worker that is
+        gone by the time the answer is ready is the reader's to report."""
+        try:
+            await self._sample_and_answer(group, message)
+        except wire.WireError:
+            pass
+
+    async def _sample_and_answer(self, group: _Group, message: dict[str, Any]) -> None:
         key = message["rollout"]
         context = group.turns.setdefault(key, [])
         tools = message.get("tools") or None

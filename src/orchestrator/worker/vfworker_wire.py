@@ -88,7 +88,7 @@ async def read_frame(reader: asyncio.StreamReader) -> dict[str, Any]:
     try:
         length = _length(await reader.readexactly(HEADER.size))
         return unpack(await reader.readexactly(length))
-    except asyncio.IncompleteReadError:
+    except (asyncio.IncompleteReadError, ConnectionResetError, BrokenPipeError):  # a peer that died mid-way
         raise WireError(CLOSED) from None
 
 
@@ -102,8 +102,11 @@ class FrameWriter:
     async def send(self, message: dict[str, Any]) -> None:
         data = pack(message)
         async with self.lock:
-            self.writer.write(data)
-            await self.writer.drain()
+            try:
+                self.writer.write(data)
+                await self.writer.drain()
+            except (ConnectionResetError, BrokenPipeError, RuntimeError) as e:  # RuntimeError: the transport is closed
+                raise WireError(f"{CLOSED} ({type(e).__name__})") from None
 
     def close(self) -> None:
         try:

@@ -1,0 +1,76 @@
+"""The real trio (vLLM, orchestrator, trainer) on a classic verifiers environment in its own venv.
+
+vf-multi (a verifiers 0.3.1 MultiTurnEnv, three model turns) in the cached test venv, 4
+steps on the tiny model. The worker is SIGKILLed once checkpoint 2 exists: the run stops
+within seconds, saying which environment; `--resume` then trains the remaining steps.
+Checked: rewards of every step, mismatch KL at step 0, no worker (or any process) left.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from prime_rl.rundir import MARKER, checkpoint_step_dir, metrics_path, read_jsonl
+
+from helpers import REPO, new_tag, tagged_processes, trio_toml
+from test_trio import finish
+from test_verifiers_classic import CLASSIC
+from verifiers_venvs import verifiers_venv
+
+MAX_STEPS = 4
+
+
+def start(config, tag: str, *flags: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "prime_rl.cli", str(config), "--no-tmux", *flags],
+                            env={**os.environ, "PRIME_RL_TEST_TAG": tag}, cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def test_classic_multi_turn_env_trains_in_the_trio_and_resumes_after_its_worker_is_killed(tmp_path, tiny_model):
+    python = verifiers_venv("0.3.1", CLASSIC)
+    run_dir = tmp_path / "run"
+    config = tmp_path / "rl.toml"
+    env = f'id = "vf-multi"\npython = "{python}"\nargs = {{ num_examples = 64 }}'
+    config.write_text(trio_toml(tiny_model, run_dir, max_steps=MAX_STEPS, env=env, seq_len=256, max_tokens=8)
+                      + "\n[ckpt]\ninterval = 2\nkeep_last = 5\n")
+
+    # first run: kill the worker once checkpoint 2 is complete
+    tag = new_tag()
+    proc = start(config, tag)
+    try:
+        deadline = time.monotonic() + 600
+        while not (checkpoint_step_dir(run_dir, 2) / MARKER).is_file():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() is not None else "timeout"
+            time.sleep(0.1)
+        (worker,) = [pid for pid, cmd in tagged_processes(tag) if "vfworker_main.py" in cmd]
+        os.kill(worker, signal.SIGKILL)
+        killed = time.monotonic()
+        out, _ = proc.communicate(timeout=120)
+        stopped_s = time.monotonic() - killed
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 1 and stopped_s < 30, out
+    assert "orchestrator failed" in out and "environment 'vf-multi': its worker process was killed by signal 9" in out, out
+    assert tagged_processes(tag) == [], "no process may survive a failed run"
+
+    # the same command with --resume trains the rest
+    tag = new_tag()
+    finish(start(config, tag, "--resume"), run_dir)
+    assert tagged_processes(tag) == [], "the worker (and everything else) is gone after the run"
+
+    rows = read_jsonl(metrics_path(run_dir))
+    orchestrator = [r for r in rows if r["process"] == "orchestrator"]
+    assert [r["step"] for r in orchestrator] == list(range(MAX_STEPS))
+    assert all("reward/vf-multi/mean" in r and "metrics/vf-multi/nonempty_fraction" in r for r in orchestrator)
+    assert all(r["seq/turns_mean"] == 3.0 for r in orchestrator)
+    trainer = [r for r in rows if r["process"] == "trainer" and "loss/mismatch_kl" in r]
+    assert [r["step"] for r in trainer] == list(range(MAX_STEPS))
+    assert trainer[0]["loss/mismatch_kl"] < 1e-3, trainer[0]
+    print(f"stopped {stopped_s:.1f} s after the kill; mismatch KL at step 0: {trainer[0]['loss/mismatch_kl']:.2e}; "
+          f"rewards: {[round(r['reward/mean'], 3) for r in orchestrator]}")
