@@ -325,3 +325,60 @@ def test_the_worker_dies_with_the_orchestrator(vf03_python, tmp_path, tiny_model
         while tagged_processes(tag) and time.monotonic() < deadline:
             time.sleep(0.2)
     assert not tagged_processes(tag), "the worker outlived the orchestrator"
+
+
+# --------------------------------------------------------------------------- eval and gepa
+
+
+def test_eval_of_a_classic_env_writes_results_with_rewards(vf03_python, tmp_path):
+    from test_eval import endpoints_file, eval_cli
+
+    with FakeInferenceServer(responder=reverse) as server:
+        endpoints = endpoints_file(tmp_path, server.url)
+        out = tmp_path / "evals"
+        proc = eval_cli(["vf-single", "--python", str(vf03_python), "-m", "fake", "-n", "3", "-r", "2", "-s",
+                         "--endpoints-path", str(endpoints), "--output-dir", str(out)],
+                        env={"FAKE_EVAL_KEY": "k", "COLUMNS": "120"}, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "lcs_reward" in proc.stdout
+    (folder,) = (out / "vf-single--fake--model-1").iterdir()
+    rows = [json.loads(line) for line in (folder / "results.jsonl").read_text().splitlines()]
+    assert len(rows) == 6
+    for row in rows:  # even requests answer the reversed text: reward 1; the others "nope"
+        question = row["prompt"][-1]["content"]
+        reply = row["completion"][-1]["content"]
+        assert row["reward"] == pytest.approx(difflib.SequenceMatcher(None, reply.strip(), question[::-1]).ratio())
+        assert {"lcs_reward", "answer_len"} <= set(row["metrics"]) and row["stop_condition"] == "max_turns_reached"
+    assert any(r["reward"] == 1.0 for r in rows) and any(r["reward"] < 1.0 for r in rows)
+
+
+def test_gepa_candidates_replace_a_classic_envs_system_prompt(vf03_python):
+    """GEPA's adapter over the worker environment: the seed is verifiers' own system prompt,
+    and a candidate prompt reaches the model in place of it (scored by verifiers' rubric)."""
+    from orchestrator.client import InferenceClient
+    from orchestrator.envs import load_env
+    from orchestrator.gepa_adapter import COMPONENT, EnvironmentAdapter, seed_prompt
+    from orchestrator.sampler import ChatSampler
+    from prime_rl.config import ClientConfig, EnvConfig, EvalSamplingConfig
+    from test_gepa import INSTRUCTION, reverse_if_told
+
+    env = load_env(EnvConfig(id="vf-single", python=vf03_python, args={"num_examples": 10}))
+    try:
+        assert seed_prompt(env, "vf-single") == "Reverse the text character by character."
+        with FakeInferenceServer(responder=reverse_if_told) as server:
+            client = InferenceClient(ClientConfig(base_url=server.url, max_retries=0), "fake-model")
+            adapter = EnvironmentAdapter(env, ChatSampler(client, EvalSamplingConfig()))
+            try:
+                examples = env.dataset[:3]
+                seed = adapter.evaluate(examples, {COMPONENT: seed_prompt(env, "vf-single")}, capture_traces=True)
+                told = adapter.evaluate(examples, {COMPONENT: f"Reverse it, {INSTRUCTION}."})
+                systems = [body["messages"][0]["content"] for _, path, body in server.calls if path == "/v1/chat/completions"]
+            finally:
+                adapter.loop.run_until_complete(client.close())
+                adapter.close()
+    finally:
+        env.close()
+    assert told.scores == [1.0, 1.0, 1.0] and all(s < 1.0 for s in seed.scores), (seed.scores, told.scores)
+    assert systems.count(f"Reverse it, {INSTRUCTION}.") == 3
+    assert "lcs_reward = " in adapter.make_reflective_dataset({COMPONENT: "x"}, seed, [COMPONENT])[COMPONENT][0]["Feedback"]
+    assert env.worker.proc.poll() is not None, "close() stops the worker"

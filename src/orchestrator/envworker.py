@@ -232,7 +232,8 @@ class WorkerEnvironment(Environment):
         try:
             while True:
                 try:
-                    message = await asyncio.wait_for(wire.read_frame(reader), timeout=self.timeout_s)
+                    async with asyncio.timeout(self.timeout_s):
+                        message = await wire.read_frame(reader)
                 except TimeoutError:
                     self.worker.kill()
                     raise EnvironmentWorkerError(
@@ -328,8 +329,16 @@ class WorkerEnvironment(Environment):
         }})
 
     def close(self) -> None:
-        if self._reader_task is not None and not self._reader_task.done() and self._loop is not None and not self._loop.is_closed():
-            self._reader_task.cancel()
+        """Stop the worker. The reader ends with it: on a loop still open and idle it is let
+        finish; on one already closed (eval's and GEPA's end first) it is dropped quietly."""
+        task = self._reader_task
+        if task is not None and not task.done():
+            if self._loop.is_closed():
+                task._log_destroy_pending = False  # asyncio's own switch for a task dropped on purpose
+            else:
+                task.cancel()
+                if not self._loop.is_running():
+                    self._loop.run_until_complete(asyncio.gather(task, return_exceptions=True))
         self.worker.close()
 
 

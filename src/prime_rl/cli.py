@@ -310,6 +310,7 @@ GEPA_OPTIONS: dict[str, tuple[str, str]] = {
     "--state-columns": ("gepa.state-columns", "rollout state keys, comma-separated, copied into the reflection data beside query, completion, answer, reward and error"),
     "-a/--env-args": ("entry.args", "JSON object passed to the environment's load_environment()"),
     "--system-prompt-file": ("entry.system_prompt_file", "the seed prompt, from a file, instead of the environment's own (e.g. an earlier run's best_prompt.txt)"),
+    "--python": ("entry.python", "the Python of a virtual environment holding the environment and its verifiers (a verifiers environment runs there, in a worker process)"),
     "-t/--max-tokens": ("sampling.max-tokens", "maximum completion tokens per turn (default: the server's)"),
     "-T/--temperature": ("sampling.temperature", "sampling temperature of the rollouts (default: the server's)"),
 }
@@ -358,6 +359,7 @@ EVAL_OPTIONS: dict[str, tuple[str, str]] = {
     "-r/--rollouts-per-example": ("rollouts-per-example", "rollouts per example (default 3)"),
     "-a/--env-args": ("entry.args", "JSON object passed to the environment's load_environment(), e.g. '{\"min_len\": 5}'"),
     "--system-prompt-file": ("entry.system_prompt_file", "a file whose text replaces the environment's system prompt, e.g. the best_prompt.txt of `prime-rl gepa`"),
+    "--python": ("entry.python", "the Python of a virtual environment holding the environment and its verifiers (a verifiers environment runs there, in a worker process)"),
     "-t/--max-tokens": ("sampling.max-tokens", "maximum completion tokens per turn (default: the server's)"),
     "-T/--temperature": ("sampling.temperature", "sampling temperature (default: the server's; 0 = greedy)"),
     "-s/--save-results": ("save-results", "write results.jsonl and summary.json to OUTPUT_DIR/<env>--<model>/<run>/"),

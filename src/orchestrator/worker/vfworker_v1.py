@@ -34,8 +34,6 @@ stops the trace (`prompt_too_long`, scored as it stands, like classic environmen
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
 import logging
 import os
 import secrets
@@ -76,7 +74,9 @@ class TasksetRunner:
         self.shim: Shim | None = None
         self.contexts: dict[bool, Any] = {}
         self.starting = asyncio.Lock()
-        self.held = contextlib.AsyncExitStack()  # env.serving(), held until the worker exits
+        self.holder: asyncio.Task | None = None
+        """Holds the shim and ``env.serving()`` from the first group until the worker exits."""
+
         self.logged: set[str] = set()
 
     @classmethod
@@ -165,13 +165,30 @@ class TasksetRunner:
         """The `ModelContext` every episode of this kind runs with (serving starts on first use)."""
         async with self.starting:
             if self.shim is None:
-                shim = Shim(self)
-                await shim.start()
-                await self.held.enter_async_context(self.env.serving())
-                self.shim = shim
+                started = asyncio.get_running_loop().create_future()
+                self.holder = asyncio.create_task(self.hold(started))
+                await started
             if tokens not in self.contexts:
                 self.contexts[tokens] = await self.make_context(tokens)
         return self.contexts[tokens]
+
+    async def hold(self, started: asyncio.Future) -> None:
+        """Start the shim and enter ``env.serving()``, and hold both until the worker's loop ends.
+        A task of its own: cancelled at shutdown, it leaves them in order (an async generator left
+        open would be closed later by the loop, outside the task that entered it, and fail)."""
+        shim = Shim(self)
+        try:
+            await shim.start()
+            async with self.env.serving():
+                self.shim = shim
+                started.set_result(None)
+                await asyncio.Event().wait()
+        except Exception as e:  # noqa: BLE001 - the group that started serving fails with it
+            if not started.done():
+                started.set_exception(e)
+        finally:
+            self.shim = None
+            await shim.stop()
 
     async def make_context(self, tokens: bool):
         vf = self.vf
@@ -326,6 +343,10 @@ class Shim:
         port = self.app_runner.addresses[0][1]
         self.url = f"http://127.0.0.1:{port}/v1"
         log(f"v1 model endpoint for the orchestrator's sampler: {self.url}")
+
+    async def stop(self) -> None:
+        if self.app_runner is not None:
+            await self.app_runner.cleanup()
 
     async def models(self, request):
         from aiohttp import web
