@@ -95,8 +95,19 @@ def test_bad_lengths_fail_clearly():
         load_environment(min_len=5, max_len=2)
 
 
-def test_registry_matches_the_contracts():
-    assert set(REGISTRY) == set(KNOWN_ENVIRONMENTS)
+def test_one_registry_names_every_builtin_module_for_launcher_and_orchestrator():
+    """registry.toml is the only list: the contracts' ids and the orchestrator's modules are
+    read from it, and every module it names defines load_environment (checked by import)."""
+    import importlib
+
+    from prime_rl.registry import builtins, resolve
+
+    assert set(REGISTRY) == set(KNOWN_ENVIRONMENTS) == set(builtins())
+    for env_id, entry in builtins().items():
+        assert resolve(env_id) == resolve(f"primeintellect/{env_id}") == entry.module == REGISTRY[env_id]
+        assert callable(importlib.import_module(entry.module).load_environment)
+    assert {e for e, b in builtins().items() if b.tools} == {"wiki-search", "math-python"}
+    assert resolve("org/my-env") == "my_env"
 
 
 def test_load_env_by_id_with_and_without_hub_prefix():

@@ -201,16 +201,19 @@ def tmux_available() -> bool:
 
 
 def run(
-    run_dir: Path, specs: list[ProcessSpec], use_tmux: bool, session_name: str, exit_code_from: str | None = None
+    run_dir: Path, specs: list[ProcessSpec], use_tmux: bool, session_name: str, exit_code_from: str | None = None,
+    follow: tuple[str, ...] = (),
 ) -> int:
     """Run the processes to completion; returns the launcher's exit code: 0, 130 after Ctrl-C,
     else 1, or the failed process's own exit code when it is ``exit_code_from`` (`prime-rl
-    eval` passes on its eval process's 2 = config error, 1 = runtime failure)."""
+    eval` passes on its eval process's 2 = config error, 1 = runtime failure). ``follow``
+    names more logs for tmux panes: ones a process's own children write (environment workers,
+    `RUN/logs/env-<name>.log`)."""
     launcher = Launcher(run_dir, specs)
     view = None
     logged = [s.name for s in specs if not s.terminal]
     if use_tmux:
-        view = TmuxView(session_name, run_dir, logged)
+        view = TmuxView(session_name, run_dir, logged + list(follow))
         print(f"[prime-rl] tmux session {session_name!r}: attach with `tmux attach -t {session_name}`", flush=True)
     elif logged:
         names = logged[0] if len(logged) == 1 else f"{{{','.join(logged)}}}"

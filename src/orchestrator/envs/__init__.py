@@ -37,7 +37,7 @@ def load_env(env_cfg: EnvConfig, run_dir: Path | None = None, tokenizer: str | N
     a worker (its log: ``run_dir``/logs/env-<name>.log); any problem is a ValueError naming the environment
     and what was expected. ``tokenizer`` (the policy's) is what a v1 taskset renders prompts with."""
     if env_cfg.python is not None:
-        env = worker_env(env_cfg, str(env_cfg.python), run_dir, tokenizer)
+        env = worker_env(env_cfg, str(Path(env_cfg.python).expanduser()), run_dir, tokenizer)
     else:
         env = local_env(env_cfg, run_dir, tokenizer)
     if not env.dataset and not env.eval_dataset:
