@@ -137,6 +137,18 @@ def orchestrator_process(config: dict, run_dir, env: dict | None = None, receive
     assert proc.returncode == 0, out
 
 
+def mask_spans(mask) -> list[tuple[int, int]]:
+    """(start, end) of every run of 1s (loss tokens) in a sample's mask."""
+    spans, start = [], None
+    for i, m in enumerate([*mask, False]):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            spans.append((start, i))
+            start = None
+    return spans
+
+
 def sandbox_unavailable() -> str | None:
     """Why the python sandbox (bubblewrap) cannot run here, or None when it can."""
     from prime_rl.envs.sandbox import Sandbox, SandboxUnavailable

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from helpers import REPO, free_port, new_tag, tagged_processes, trio_toml
+from helpers import REPO, free_port, mask_spans, new_tag, tagged_processes, trio_toml
 from prime_rl.launcher import tail
 from orchestrator.data import ExampleOrder
 from orchestrator.envs import load_env
@@ -128,13 +128,14 @@ def start_launcher(config, *flags):
     return proc, tag
 
 
-def kill_mid_run(run_dir, config, marker) -> tuple[str, int, float]:
+def kill_mid_run(run_dir, config, marker, after_checkpoint: int = KILL_AFTER_CHECKPOINT) -> tuple[str, int, float]:
     """Start the trio, SIGKILL the process whose command line holds ``marker`` once checkpoint
-    16 is complete; returns the launcher's output, exit code and seconds it took to stop."""
+    ``after_checkpoint`` is complete; returns the launcher's output, exit code and seconds it
+    took to stop."""
     proc, tag = start_launcher(config)
     try:
         deadline = time.monotonic() + 600
-        while not (checkpoint_step_dir(run_dir, KILL_AFTER_CHECKPOINT) / MARKER).is_file():
+        while not (checkpoint_step_dir(run_dir, after_checkpoint) / MARKER).is_file():
             assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() is not None else "timeout"
             time.sleep(0.1)
         (pid,) = [pid for pid, cmd in tagged_processes(tag) if marker in cmd and "torch.distributed" not in cmd]
@@ -289,18 +290,6 @@ def test_multi_turn_trio_trains_exactly_the_sampled_tokens(tmp_path, tiny_model)
     assert trainer[0]["loss/mismatch_kl"] < 1e-3, trainer[0]
     orchestrator = [r for r in read_jsonl(metrics_path(run_dir)) if r["process"] == "orchestrator"]
     assert all(r["seq/turns_mean"] == 2 and "reward/alphabet-sort/mean" in r for r in orchestrator)
-
-
-def mask_spans(mask):
-    """(start, end) of every run of 1s."""
-    spans, start = [], None
-    for i, m in enumerate([*mask, False]):
-        if m and start is None:
-            start = i
-        elif not m and start is not None:
-            spans.append((start, i))
-            start = None
-    return spans
 
 
 # --------------------------------------------------------------------------- tools

@@ -22,7 +22,7 @@ from prime_rl.wire import sample_arrays
 
 from orchestrator.fake_inference import IM_END, LOGPROB, FakeInferenceServer
 
-from helpers import REPO, free_port, new_tag, orchestrator_process, tagged_processes
+from helpers import REPO, free_port, mask_spans, new_tag, orchestrator_process, tagged_processes
 from verifiers_venvs import verifiers_venv
 
 CLASSIC = ["vf-single", "vf-multi", "vf-tools", "vf-group", "vf-reverse-text", "vf-broken"]
@@ -67,18 +67,6 @@ def completion_prompts(server: FakeInferenceServer) -> list[list[int]]:
             if path.startswith("/v1/completions") and body.get("prompt_logprobs") is None]
 
 
-def spans(mask) -> list[tuple[int, int]]:
-    """[start, end) of every run of loss tokens."""
-    runs, start = [], None
-    for i, m in enumerate(list(mask) + [0]):
-        if m and start is None:
-            start = i
-        elif not m and start is not None:
-            runs.append((start, i))
-            start = None
-    return runs
-
-
 def text(ids) -> str:
     return bytes(t for t in ids if t < 256).decode(errors="replace")
 
@@ -98,7 +86,7 @@ def test_classic_single_turn_env_is_played_with_exact_tokens(vf03_python, tmp_pa
     assert len(samples) == 4
     for sample in samples:
         ids, mask, logprobs = sample_arrays(sample)
-        (span,) = spans(mask)
+        (span,) = mask_spans(mask)
         # the sequence is exactly a prompt the fake server was sent, then what it sampled
         assert ids[: span[0]].tolist() in prompts
         assert span[1] == len(ids) and ids[-1] == IM_END
@@ -130,7 +118,7 @@ def test_classic_multi_turn_env_concatenates_the_sampled_turns(vf03_python, tmp_
     assert len(samples) == 4 and len(requests) == 12  # 4 rollouts x 3 turns
     for sample in samples:
         ids, mask, _ = sample_arrays(sample)
-        runs = spans(mask)
+        runs = mask_spans(mask)
         assert len(runs) == 3, "three model turns, each its own span of sampled tokens"
         for k, (start, end) in enumerate(runs):
             # turn k's prompt is the sequence so far, exactly: a request the fake server received
@@ -176,7 +164,7 @@ def test_classic_tool_env_runs_verifiers_tools_on_calls_parsed_by_the_server(vf0
     tool_response = AutoTokenizer.from_pretrained(tiny_model).convert_tokens_to_ids("<tool_response>")
     for sample in samples:
         ids, mask, _ = sample_arrays(sample)
-        runs = spans(mask)
+        runs = mask_spans(mask)
         assert len(runs) == 2
         between = ids[runs[0][1] : runs[1][0]]
         assert tool_response in between.tolist() and not mask[runs[0][1] : runs[1][0]].any()  # the tool result: out of the loss
@@ -276,21 +264,26 @@ def slow_reply(messages, index):
     return "x"
 
 
+def start_sampling(tmp_path, model, env_id: str, python, server, tag: str, **popen) -> subprocess.Popen:
+    """The orchestrator on a long run, returned once the fake server got its first sampling request."""
+    config = orchestrator_config(tmp_path, model, {"id": env_id, "python": str(python)}, server.url, max_steps=50)
+    path = tmp_path / "orchestrator.json"
+    path.write_text(json.dumps(config))
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "PRIME_RL_TEST_TAG": tag}
+    proc = subprocess.Popen([sys.executable, "-m", "orchestrator.main", "--config", str(path)], env=env, **popen)
+    deadline = time.monotonic() + 120
+    while not any("/v1/completions" in p for _, p, _ in server.calls):
+        assert time.monotonic() < deadline and proc.poll() is None, "the orchestrator never sampled"
+        time.sleep(0.2)
+    return proc
+
+
 def test_killing_the_worker_stops_the_orchestrator_with_one_line_naming_the_environment(vf03_python, tmp_path, tiny_model):
     tag = new_tag()
     with FakeInferenceServer(responder=slow_reply) as server:
-        config = orchestrator_config(tmp_path, tiny_model, {"id": "vf-multi", "python": str(vf03_python)}, server.url,
-                                     max_steps=50)
-        path = tmp_path / "orchestrator.json"
-        path.write_text(json.dumps(config))
-        env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "PRIME_RL_TEST_TAG": tag}
-        proc = subprocess.Popen([sys.executable, "-m", "orchestrator.main", "--config", str(path)], env=env,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        proc = start_sampling(tmp_path, tiny_model, "vf-multi", vf03_python, server, tag,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
-            deadline = time.monotonic() + 120
-            while not any("/v1/completions" in p for _, p, _ in server.calls):
-                assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
-                time.sleep(0.2)
             (worker,) = [pid for pid, cmd in tagged_processes(tag) if "vfworker_main.py" in cmd]
             killed = time.monotonic()
             os.kill(worker, signal.SIGKILL)
@@ -308,17 +301,8 @@ def test_killing_the_worker_stops_the_orchestrator_with_one_line_naming_the_envi
 def test_the_worker_dies_with_the_orchestrator(vf03_python, tmp_path, tiny_model):
     tag = new_tag()
     with FakeInferenceServer(responder=slow_reply) as server:
-        config = orchestrator_config(tmp_path, tiny_model, {"id": "vf-single", "python": str(vf03_python)}, server.url,
-                                     max_steps=50)
-        path = tmp_path / "orchestrator.json"
-        path.write_text(json.dumps(config))
-        env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "PRIME_RL_TEST_TAG": tag}
-        proc = subprocess.Popen([sys.executable, "-m", "orchestrator.main", "--config", str(path)], env=env,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 120
-        while not any("/v1/completions" in p for _, p, _ in server.calls):
-            assert time.monotonic() < deadline and proc.poll() is None
-            time.sleep(0.2)
+        proc = start_sampling(tmp_path, tiny_model, "vf-single", vf03_python, server, tag,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         proc.kill()  # SIGKILL: no clean-up of its own
         proc.wait()
         deadline = time.monotonic() + 10

@@ -8,26 +8,14 @@ Checked: rewards of every step, mismatch KL at step 0, no worker (or any process
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-import time
+from prime_rl.rundir import metrics_path, read_jsonl
 
-from prime_rl.rundir import MARKER, checkpoint_step_dir, metrics_path, read_jsonl
-
-from helpers import REPO, new_tag, tagged_processes, trio_toml
-from test_trio import finish
+from helpers import tagged_processes, trio_toml
+from test_trio import finish, kill_mid_run, start_launcher
 from test_verifiers_classic import CLASSIC
 from verifiers_venvs import verifiers_venv
 
 MAX_STEPS = 4
-
-
-def start(config, tag: str, *flags: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "prime_rl.cli", str(config), "--no-tmux", *flags],
-                            env={**os.environ, "PRIME_RL_TEST_TAG": tag}, cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
 
 
 def test_classic_multi_turn_env_trains_in_the_trio_and_resumes_after_its_worker_is_killed(tmp_path, tiny_model):
@@ -39,29 +27,13 @@ def test_classic_multi_turn_env_trains_in_the_trio_and_resumes_after_its_worker_
                       + "\n[ckpt]\ninterval = 2\nkeep_last = 5\n")
 
     # first run: kill the worker once checkpoint 2 is complete
-    tag = new_tag()
-    proc = start(config, tag)
-    try:
-        deadline = time.monotonic() + 600
-        while not (checkpoint_step_dir(run_dir, 2) / MARKER).is_file():
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() is not None else "timeout"
-            time.sleep(0.1)
-        (worker,) = [pid for pid, cmd in tagged_processes(tag) if "vfworker_main.py" in cmd]
-        os.kill(worker, signal.SIGKILL)
-        killed = time.monotonic()
-        out, _ = proc.communicate(timeout=120)
-        stopped_s = time.monotonic() - killed
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == 1 and stopped_s < 30, out
+    out, code, stopped_s = kill_mid_run(run_dir, config, "vfworker_main.py", after_checkpoint=2)
+    assert code == 1 and stopped_s < 30, out
     assert "orchestrator failed" in out and "environment 'vf-multi': its worker process was killed by signal 9" in out, out
-    assert tagged_processes(tag) == [], "no process may survive a failed run"
 
     # the same command with --resume trains the rest
-    tag = new_tag()
-    finish(start(config, tag, "--resume"), run_dir)
+    proc, tag = start_launcher(config, "--resume")
+    finish(proc, run_dir)
     assert tagged_processes(tag) == [], "the worker (and everything else) is gone after the run"
 
     rows = read_jsonl(metrics_path(run_dir))

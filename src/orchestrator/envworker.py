@@ -20,19 +20,17 @@ names the environment and its log.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import itertools
 import os
 import socket
 import subprocess
-import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from prime_rl.envs import Environment, Example, ModelClient, ModelReply, PromptTooLong, Rollout, ToolCall, Turn
+from prime_rl.envs import Environment, Example, ModelClient, ModelReply, PromptTooLong, Rollout, Turn
 
 from orchestrator.worker import vfworker_wire as wire
 

@@ -43,9 +43,10 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from aiohttp import web
+
 from vfworker_util import LoadError, log, one_line, plain
 
-RESERVED_ARGS = ("harness", "runtime")
 DEFAULT_HARNESS = "null"
 DEFAULT_RUNTIME = "subprocess"
 TOKENIZER_VAR = "PRIME_RL_TOKENIZER"
@@ -66,7 +67,7 @@ class TasksetRunner:
         self.env = env
         self.env_id = env_id
         self.tasks = list(env.taskset)
-        self.openings = [opening(vf, task) for task in self.tasks]
+        self.openings = [opening(task) for task in self.tasks]
         self.harnesses = [vf.load_harness(h) for h in config.agent_harnesses().values()]
         self.live: dict[str, Live] = {}
         """trace id -> the episode it belongs to, while its group runs."""
@@ -197,8 +198,9 @@ class TasksetRunner:
             return vf.ModelContext(model=MODEL, client=client, sampling=vf.SamplingConfig())
         tokenizer = os.environ.get(TOKENIZER_VAR)
         if not tokenizer:
-            raise LoadError(f"a v1 taskset renders training prompts itself, with the policy's tokenizer: the worker needs "
-                            f"${TOKENIZER_VAR} (a local tokenizer folder or a hub id), which the orchestrator did not set")
+            raise LoadError(f"a v1 taskset renders training prompts itself, with the policy's tokenizer: the worker "
+                            f"needs ${TOKENIZER_VAR} (a local tokenizer folder or a hub id), which the orchestrator "
+                            "did not set")
         # renderer None: v1 picks the model family's renderer (tool calls, reasoning), else its default one
         client = vf.TrainClientConfig(base_url=self.shim.url, api_key_var=KEY_VAR, renderer_model_name=tokenizer)
         await build_renderer(client)
@@ -213,7 +215,8 @@ class TasksetRunner:
         if wanted is None or wanted == shown:
             return task
         data = task.data
-        if data.system_prompt is None and isinstance(data.prompt, list) and data.prompt and data.prompt[0].role == "system":
+        opens_with_system = isinstance(data.prompt, list) and bool(data.prompt) and data.prompt[0].role == "system"
+        if data.system_prompt is None and opens_with_system:  # the task's own system message
             return task.with_data(prompt=[self.vf.SystemMessage(content=wanted), *data.prompt[1:]])
         if isinstance(data.prompt, str) or all(h.APPENDS_SYSTEM_PROMPT for h in self.harnesses):
             return task.with_system_prompt(wanted)
@@ -268,24 +271,27 @@ class TasksetRunner:
             return ["rollout_error"], f"the trace did not complete (stop: {trace.stop_condition})"
         else:
             return [], None
-        text = f"{failure.type}: {' '.join(failure.message.split())}"[:1000]
+        text = error_text(failure)
         unscored = [name for name, v in {**trace.metrics, **trace.rewards}.items() if v is None]
         raised = [name for name in unscored if f", in {name}\n" in (failure.traceback or "")]
         names = raised if failure.type == "TaskError" and raised else ["rollout_error"]
         for name in names:
             if name not in self.logged:
                 self.logged.add(name)
-                what = "a rollout ended with an error" if name == "rollout_error" else f"reward/metric function {name} raised"
+                what = ("a rollout ended with an error" if name == "rollout_error"
+                        else f"reward/metric function {name} raised")
                 log(f"{what} (logged once; counted in errors/<env>/{name}): {text}\n{failure.traceback or ''}".rstrip())
         return names, text
 
     def failed(self, episode) -> dict[str, Any]:
         """An episode without a trainable trace: it failed before any agent ran (or ran none)."""
         failure = episode.errors[-1] if episode.errors else None
-        text = f"{failure.type}: {' '.join(failure.message.split())}"[:1000] if failure else "the episode ran no trainable agent"
-        self.log_once("rollout_error", f"an episode failed (logged once; counted in errors/<env>/rollout_error): {text}")
-        return {"rollout": uuid.uuid4().hex, "reward": 0.0, "metrics": {}, "errors": ["rollout_error"], "completion": [],
-                "stop_condition": "error", "is_truncated": False, "error": text, "branch": {"token_ids": [], "mask": []}}
+        text = error_text(failure) if failure else "the episode ran no trainable agent"
+        self.log_once("rollout_error", f"an episode failed (logged once; counted in errors/<env>/rollout_error): "
+                      f"{text}")
+        return {"rollout": uuid.uuid4().hex, "reward": 0.0, "metrics": {}, "errors": ["rollout_error"],
+                "completion": [], "stop_condition": "error", "is_truncated": False, "error": text,
+                "branch": {"token_ids": [], "mask": []}}
 
     def log_once(self, key: str, message: str) -> None:
         if key not in self.logged:
@@ -330,8 +336,6 @@ class Shim:
         self.app_runner = None
 
     async def start(self) -> None:
-        from aiohttp import web
-
         app = web.Application(client_max_size=MAX_BODY)
         app.router.add_get("/v1/models", self.models)
         app.router.add_post("/inference/v1/generate", self.generate)
@@ -349,18 +353,15 @@ class Shim:
             await self.app_runner.cleanup()
 
     async def models(self, request):
-        from aiohttp import web
-
         if request.headers.get("Authorization") != f"Bearer {self.key}":
             return error_response(401, "unauthorized", "unauthorized")
         # No max_model_len: the orchestrator enforces the context (prompt_too_long), and a window
         # here would turn on the renderer's pre-flight check and the harnesses' compaction.
-        return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model", "owned_by": "prime-rl"}]})
+        card = {"id": MODEL, "object": "model", "owned_by": "prime-rl"}
+        return web.json_response({"object": "list", "data": [card]})
 
     async def generate(self, request):
         """vLLM's token-in/token-out route, as `renderers.client.generate` calls it."""
-        from aiohttp import web
-
         live, refusal = self.episode(request)
         if refusal is not None:
             return refusal
@@ -385,8 +386,6 @@ class Shim:
 
     async def chat(self, request):
         """The chat completions route (evaluation against a text-only endpoint)."""
-        from aiohttp import web
-
         live, refusal = self.episode(request)
         if refusal is not None:
             return refusal
@@ -417,7 +416,8 @@ class Shim:
         key = request.headers.get(SESSION_ID_HEADER, "")
         live = self.runner.live.get(key)
         if live is None:
-            return None, error_response(409, f"no running episode has trace id {key!r} (its group ended)", "rollout_concluded")
+            return None, error_response(409, f"no running episode has trace id {key!r} (its group ended)",
+                                        "rollout_concluded")
         return live, None
 
     def model_error(self, live: Live, answer: dict[str, Any]):
@@ -431,10 +431,8 @@ class Shim:
 
 
 def error_response(status: int, message: str, code: str):
-    from aiohttp import web
-
-    return web.json_response({"error": {"message": message, "type": "invalid_request_error" if status < 500 else "server_error",
-                                        "code": code}}, status=status)
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return web.json_response({"error": {"message": message, "type": kind, "code": code}}, status=status)
 
 
 def chat_completion(reply: dict[str, Any], model: str) -> dict[str, Any]:
@@ -469,7 +467,8 @@ def plugin(value, key: str) -> dict[str, Any] | None:
         return {key: value}
     if isinstance(value, dict):
         return dict(value)
-    raise LoadError(f"[[env]] args {'harness' if key == 'id' else 'runtime'} must be a string or a table, got {value!r}")
+    name = "harness" if key == "id" else "runtime"
+    raise LoadError(f"[[env]] args {name} must be a string or a table, got {value!r}")
 
 
 def taskset_config_type(vf, module: str):
@@ -542,7 +541,7 @@ def show_verifiers_warnings() -> None:
 # --------------------------------------------------------------------------- data and messages
 
 
-def opening(vf, task) -> list[dict[str, Any]]:
+def opening(task) -> list[dict[str, Any]]:
     """The messages the task starts with, as the harness will send them (OpenAI chat)."""
     from verifiers.v1.dialects.chat import message_to_wire
 
@@ -561,6 +560,11 @@ def example_of(index: int, task, prompt: list[dict[str, Any]]) -> dict[str, Any]
     info = data.model_dump(mode="json", exclude_defaults=True, exclude={"prompt", "system_prompt"})
     return {"index": index, "prompt": prompt, "answer": "" if answer is None else str(answer),
             "info": plain(info), "task": "default"}
+
+
+def error_text(error) -> str:
+    """A recorded v1 `Error` in one line."""
+    return f"{error.type}: {' '.join(error.message.split())}"[:1000]
 
 
 def system_text(messages) -> str | None:
