@@ -170,7 +170,7 @@ class WorkerEnvironment(Environment):
                                          "prompt": list(example.prompt), "n": n,
                                          "tokens": callable(getattr(client, "extend", None))})
                 results = await group.future
-            except asyncio.CancelledError:
+            except BaseException:  # cancelled, or the client failed: the worker must stop the group's episodes
                 await self._cancel(gid)
                 raise
             finally:

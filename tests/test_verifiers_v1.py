@@ -1,0 +1,104 @@
+"""Verifiers v1 tasksets (verifiers 0.4.0), unchanged, in their own virtual environment.
+
+The fixture tasksets (tests/fixtures/verifiers_envs/v1-*) are installed with
+verifiers==0.4.0 into a cached throwaway venv. The worker runs them with v1's own `null`
+harness on the `subprocess` runtime; v1's training client renders each prompt to token ids
+itself and posts it to a route the worker serves, which hands it to the orchestrator's
+exact-token client (here against the fake vLLM; this test plays the trainer). Each trace's
+branch is one training sample: checked token by token against what the fake server was
+sent and returned.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+
+import pytest
+from prime_rl.wire import sample_arrays
+
+from orchestrator.fake_inference import IM_END, LOGPROB, FakeInferenceServer
+
+from helpers import mask_spans
+from test_verifiers_classic import completion_prompts, metrics_row, one_batch, orchestrator_config, text
+from verifiers_venvs import verifiers_venv
+
+V1 = ["v1-reverse", "v1-again"]
+
+
+@pytest.fixture(scope="session")
+def vf04_python():
+    return verifiers_venv("0.4.0", V1)
+
+
+def reverse_half(messages, index):
+    return str(messages[-1]["content"])[::-1] if index % 2 == 0 else "nope"
+
+
+def test_v1_single_turn_taskset_is_played_with_exact_tokens(vf04_python, tmp_path, tiny_model):
+    with FakeInferenceServer(responder=reverse_half) as server:
+        config = orchestrator_config(tmp_path, tiny_model, {"id": "v1-reverse", "python": str(vf04_python)}, server.url)
+        samples = one_batch(config, tmp_path)
+        prompts = completion_prompts(server)
+    assert len(samples) == 4 and len(prompts) == 4
+    for sample in samples:
+        ids, mask, logprobs = sample_arrays(sample)
+        (span,) = mask_spans(mask)
+        assert ids[: span[0]].tolist() in prompts  # the prompt v1 rendered, exactly as sent to vLLM
+        assert span[1] == len(ids) and ids[-1] == IM_END
+        assert logprobs[mask].tolist() == pytest.approx([LOGPROB] * int(mask.sum()))
+        question = text(ids[: span[0]]).split("user\n")[-1].split("\n")[0]
+        reply = text(ids[span[0] :]).strip()
+        expected = 1.0 if reply == question[::-1] else difflib.SequenceMatcher(None, reply, question[::-1]).ratio()
+        assert sample.reward == pytest.approx(expected)
+        assert "Reverse the text character by character." in text(ids[: span[0]])  # the task's system prompt
+    row = metrics_row(tmp_path)
+    assert {"reward/v1-reverse/mean", "metrics/v1-reverse/reversed_match", "metrics/v1-reverse/reply_len"} <= row.keys()
+    assert row["errors/v1-reverse/reversed_match"] == 0 and row["reward/v1-reverse/mean"] > 0
+    log = (tmp_path / "logs" / "env-v1-reverse.log").read_text()
+    assert "loaded a verifiers v1 taskset" in log and "verifiers 0.4.0" in log
+
+
+def word_reply(messages, index):
+    return f"ping pong tick tock {index}"
+
+
+def test_v1_multi_turn_taskset_trains_each_branch_as_one_exact_sequence(vf04_python, tmp_path, tiny_model):
+    with FakeInferenceServer(responder=word_reply) as server:
+        config = orchestrator_config(tmp_path, tiny_model, {"id": "v1-again", "python": str(vf04_python)}, server.url)
+        samples = one_batch(config, tmp_path)
+        prompts = completion_prompts(server)
+    assert len(samples) == 4 and len(prompts) == 12  # 4 episodes x 3 model turns
+    for sample in samples:
+        ids, mask, _ = sample_arrays(sample)
+        runs = mask_spans(mask)
+        assert len(runs) == 3
+        for start, end in runs:  # each turn's prompt is the sequence so far, as the fake server received it
+            assert ids[:start].tolist() in prompts
+            assert text(ids[start:end]).startswith("ping pong tick tock") and ids[end - 1] == IM_END
+        between = text(ids[runs[0][1] : runs[1][0]])
+        assert "again" in between and not mask[runs[0][1] : runs[1][0]].any()
+        assert sample.reward == pytest.approx(1.0)  # the task's word said in every turn: all four are in the reply
+    row = metrics_row(tmp_path)
+    assert row["metrics/v1-again/model_turns"] == pytest.approx(3.0) and row["seq/turns_mean"] == pytest.approx(3.0)
+
+
+def test_eval_of_a_v1_taskset_writes_results_with_rewards(vf04_python, tmp_path):
+    from test_eval import endpoints_file, eval_cli
+
+    with FakeInferenceServer(responder=reverse_half) as server:
+        endpoints = endpoints_file(tmp_path, server.url)
+        out = tmp_path / "evals"
+        proc = eval_cli(["v1-reverse", "--python", str(vf04_python), "-m", "fake", "-n", "2", "-r", "2", "-s",
+                         "--endpoints-path", str(endpoints), "--output-dir", str(out)],
+                        env={"FAKE_EVAL_KEY": "k", "COLUMNS": "120"}, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (folder,) = (out / "v1-reverse--fake--model-1").iterdir()
+    rows = [json.loads(line) for line in (folder / "results.jsonl").read_text().splitlines()]
+    assert len(rows) == 4
+    for row in rows:
+        reply = row["completion"][-1]["content"].strip()
+        question = row["prompt"][-1]["content"]
+        expected = 1.0 if reply == question[::-1] else difflib.SequenceMatcher(None, reply, question[::-1]).ratio()
+        assert row["reward"] == pytest.approx(expected) and "reply_len" in row["metrics"]
+    assert any(r["reward"] == 1.0 for r in rows)
