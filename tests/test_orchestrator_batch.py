@@ -32,6 +32,24 @@ def test_turns_concatenate_in_order():
     assert (sample.advantage, sample.reward, sample.policy_version, sample.example_id) == (-0.5, 0.5, 2, 7)
 
 
+def test_a_restarted_turn_starts_a_sample_of_its_own():
+    """A v1 client that re-rendered the conversation: turn 2 carries its whole prompt
+    (restart), so the rollout trains as [turn 0, turn 1] and [turn 2, turn 3], each exact."""
+    from orchestrator.batch import to_samples
+
+    turns = [Turn([1, 2], [3], [-0.1]), Turn([4], [5], [-0.2]), Turn([1, 2, 9, 4, 5, 6], [7], [-0.3], restart=True),
+             Turn([8], [10], [-0.4])]
+    first, second = to_samples(ScoredRollout(Rollout(3, turns, 1.0), 0.5, 1), seq_len=32)
+    ids, mask, logprobs = sample_arrays(first)
+    assert ids.tolist() == [1, 2, 3, 4, 5] and mask.tolist() == [False, False, True, False, True]
+    ids, mask, logprobs = sample_arrays(second)
+    assert ids.tolist() == [1, 2, 9, 4, 5, 6, 7, 8, 10]
+    assert mask.tolist() == [False] * 6 + [True, False, True]
+    np.testing.assert_array_equal(logprobs, np.float32([0] * 6 + [-0.3, 0, -0.4]))
+    assert first.advantage == second.advantage == 0.5
+    assert len(to_samples(ScoredRollout(two_turns(), 0.0, 0), seq_len=32)) == 1  # no restart: one sample
+
+
 def test_truncation_cuts_all_buffers_alike():
     ids, mask, logprobs = sample_arrays(to_sample(ScoredRollout(two_turns(), 0.0, 0), seq_len=4))
     assert ids.tolist() == [1, 2, 3, 4]

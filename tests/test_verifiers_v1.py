@@ -102,3 +102,25 @@ def test_eval_of_a_v1_taskset_writes_results_with_rewards(vf04_python, tmp_path)
         expected = 1.0 if reply == question[::-1] else difflib.SequenceMatcher(None, reply, question[::-1]).ratio()
         assert row["reward"] == pytest.approx(expected) and "reply_len" in row["metrics"]
     assert any(r["reward"] == 1.0 for r in rows)
+
+
+def cut_mid_character(messages, index):
+    return "é" * 40  # 2 bytes each: max_tokens 7 cuts the last one in half, which no text re-tokenizes to
+
+
+def test_a_v1_client_that_rerenders_the_conversation_trains_exact_parts(vf04_python, tmp_path, tiny_model):
+    """v1's default renderer re-renders earlier turns from their text; a reply cut in the
+    middle of a character does not re-tokenize to what was sampled. Each turn's prompt is
+    still exactly what vLLM saw: the rollout trains as one sample per turn that restarts."""
+    with FakeInferenceServer(responder=cut_mid_character) as server:
+        config = orchestrator_config(tmp_path, tiny_model, {"id": "v1-again", "python": str(vf04_python)}, server.url,
+                                     sampling={"max_tokens": 7}, batch_size=2)
+        samples = one_batch(config, tmp_path)
+        prompts = completion_prompts(server)
+    assert len(samples) > 2, "re-rendered turns start samples of their own"
+    for sample in samples:
+        ids, mask, _ = sample_arrays(sample)
+        for start, _ in mask_spans(mask):
+            assert ids[:start].tolist() in prompts  # every turn's prompt as vLLM saw it
+    row = metrics_row(tmp_path)
+    assert row["seq/restarted_frac"] == pytest.approx(1.0)

@@ -5,8 +5,9 @@ A sample's tokens are its turns' ``prompt_ids + completion_ids`` concatenated in
 carries the sampler's logprob there (0 elsewhere). Samples longer than ``seq_len`` are
 cut at ``seq_len``, all three buffers alike.
 
-With ``per_turn`` (chat templates that rewrite earlier turns), every turn is a sample of
-its own: its prompt (the whole conversation so far, as rendered) and its completion, with
+A rollout whose environment re-rendered the conversation itself (``Turn.restart``: a v1
+taskset's client) is one sample per run of turns that extend each other. With ``per_turn``
+(chat templates that rewrite earlier turns), every turn is a sample of its own: its prompt (the whole conversation so far, as rendered) and its completion, with
 the rollout's advantage.
 
 Ranks get shares of equal token count, not of equal sample count: a rank's step time
@@ -60,12 +61,16 @@ def rollout_tokens(rollout: Rollout, turns: list[Turn] | None = None) -> tuple[n
 
 
 def to_samples(scored: ScoredRollout, seq_len: int, per_turn: bool = False) -> list[Sample]:
-    """One sample for the rollout, or one per turn with ``per_turn``."""
-    if not scored.rollout.turns:
+    """One sample for the rollout (one per run of turns that extend each other, when the
+    environment's client re-rendered the conversation: ``Turn.restart``), or one per turn
+    with ``per_turn``."""
+    turns = scored.rollout.turns
+    if not turns:
         raise ValueError(f"example {scored.rollout.example_id}: a rollout without tokens cannot be trained on")
-    if not per_turn:
-        return [to_sample(scored, seq_len)]
-    return [to_sample(scored, seq_len, [turn]) for turn in scored.rollout.turns]
+    if per_turn:
+        return [to_sample(scored, seq_len, [turn]) for turn in turns]
+    starts = [0] + [i for i, turn in enumerate(turns) if turn.restart and i > 0]
+    return [to_sample(scored, seq_len, turns[a:b]) for a, b in zip(starts, [*starts[1:], len(turns)])]
 
 
 def to_sample(scored: ScoredRollout, seq_len: int, turns: list[Turn] | None = None) -> Sample:

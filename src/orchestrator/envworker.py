@@ -32,6 +32,7 @@ from typing import Any
 
 from prime_rl.envs import Environment, Example, ModelClient, ModelReply, PromptTooLong, Rollout, Turn
 
+from orchestrator.sampler import sequence_so_far
 from orchestrator.worker import vfworker_wire as wire
 
 WORKER_MAIN = Path(__file__).with_name("worker") / "vfworker_main.py"
@@ -132,6 +133,9 @@ class WorkerEnvironment(Environment):
                  timeout_s: float):
         self.name, self.env_id, self.worker = name, env_id, worker
         self.kind, self.verifiers = loaded["kind"], loaded["verifiers"]
+        self.renders_prompts = loaded.get("api") == "v1"
+        """v1's client renders prompts to token ids itself (checked to extend the sampled turns
+        on every call), so prime-rl's chat template check does not apply to it."""
         self.env_class = loaded.get("env_class")
         self.timeout_s = timeout_s
         self.max_concurrent = max_concurrent
@@ -312,8 +316,8 @@ class WorkerEnvironment(Environment):
                 group.future.set_exception(e)
             return
         prompt_ids = list(reply.turn.prompt_ids) if reply.turn else []
-        if reply.turn is not None and context and not getattr(group.client, "per_turn", True):
-            prompt_ids = [t for turn in context for t in (*turn.prompt_ids, *turn.completion_ids)] + prompt_ids
+        if reply.turn is not None and context and not reply.turn.restart and not getattr(group.client, "per_turn", True):
+            prompt_ids = sequence_so_far(context) + prompt_ids
         if reply.turn is not None:
             context.append(reply.turn)
         group.last[key] = reply

@@ -208,6 +208,8 @@ def step_metrics(
         "time/step": step_s,
         "inference/retries": client_retries,
         "seq/turns_mean": float(np.mean([item.rollout.num_turns for item in items])),
+        # rollouts whose environment re-rendered the conversation (several exact samples each)
+        "seq/restarted_frac": float(np.mean([any(t.restart for t in item.rollout.turns) for item in items])),
         **{
             f"stop/{cond}_frac": float(np.mean([item.rollout.stop_condition == cond for item in items]))
             for cond in sorted({item.rollout.stop_condition for item in items})
@@ -388,7 +390,8 @@ def setup(argv: list[str]) -> tuple[OrchestratorConfig, list[tuple[str, Environm
                     "the model family (\"hermes\" for Qwen3, Qwen2.5 and the tiny test model)"
                 )
         tokenizer = load_tokenizer(cfg.tokenizer or cfg.model)
-        if cfg.multi_turn == "sequence" and any(env.max_turns != 1 for _, env in envs):
+        if cfg.multi_turn == "sequence" and any(env.max_turns != 1 and not getattr(env, "renders_prompts", False)
+                                                for _, env in envs):
             try:
                 check_multi_turn_template(tokenizer, cfg.tokenizer or cfg.model)
             except TemplateError as e:

@@ -54,7 +54,7 @@ class TokenSampler:
         """``n`` replies to ``messages``, whose earlier turns were sampled as ``context``; with
         ``tools``, the template shows them and the server's parser reads the calls."""
         if context and not self.per_turn:
-            prefix = [t for turn in context for t in (*turn.prompt_ids, *turn.completion_ids)]
+            prefix = sequence_so_far(context)
             new = self.bridge(messages, context[-1], tools)
             prompt = prefix + new
         else:
@@ -73,25 +73,25 @@ class TokenSampler:
 
     async def extend(self, prompt: list[int], context: Sequence[Turn]) -> ModelReply:
         """One reply to a prompt the environment rendered to token ids itself (a verifiers v1
-        taskset's client does). It must extend the exact tokens of ``context``, this rollout's
-        previous turns, which the trainer sees as they were sampled; only the new tokens
-        become this turn's ``prompt_ids``."""
-        new = list(prompt)
+        taskset's client does). When it extends the exact tokens of ``context`` (this rollout's
+        previous turns, as sampled), only the new tokens become this turn's ``prompt_ids``.
+        When it does not (the client re-rendered model text that does not re-tokenize to
+        what was sampled), the turn restarts the sequence with the whole prompt
+        (``Turn.restart``): the trainer then sees each part exactly as vLLM did."""
+        new, restart = list(prompt), False
         if context and not self.per_turn:
-            prefix = [t for turn in context for t in (*turn.prompt_ids, *turn.completion_ids)]
-            if new[: len(prefix)] != prefix:
-                raise TemplateError(
-                    "the environment's client re-rendered earlier turns instead of extending their sampled tokens; "
-                    "set orchestrator.multi_turn = \"per_turn\" to train each turn as its own sample"
-                )
-            new = new[len(prefix):]
+            prefix = sequence_so_far(context)
+            if new[: len(prefix)] == prefix:
+                new = new[len(prefix):]
+            else:
+                restart = True
         room = self.seq_len - len(prompt)
         if room < 1:
             raise PromptTooLong(f"the prompt has {len(prompt)} tokens; seq_len is {self.seq_len}")
         (r,) = await self.client.complete_n(
             list(prompt), n=1, max_tokens=min(self.sampling.max_tokens, room), temperature=self.sampling.temperature
         )
-        return ModelReply(r.text, r.finish_reason, Turn(new, r.completion_ids, r.completion_logprobs))
+        return ModelReply(r.text, r.finish_reason, Turn(new, r.completion_ids, r.completion_logprobs, restart))
 
     async def parse_tool_calls(
         self, prompt: list[int], results: list[Completion], tools: list[dict[str, Any]]
@@ -124,6 +124,12 @@ class TokenSampler:
         end_of_turn = upto[close:end]
         emitted_end = bool(end_of_turn) and last.completion_ids[-len(end_of_turn):] == end_of_turn
         return upto[end if emitted_end else close :] + full[len(upto) :]
+
+
+def sequence_so_far(context: Sequence[Turn]) -> list[int]:
+    """The exact tokens a next turn extends: every turn since the last restart, in order."""
+    start = max((i for i, turn in enumerate(context) if turn.restart), default=0)
+    return [t for turn in context[start:] for t in (*turn.prompt_ids, *turn.completion_ids)]
 
 
 def check_multi_turn_template(tokenizer, model: str) -> None:

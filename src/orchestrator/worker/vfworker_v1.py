@@ -235,10 +235,11 @@ class TasksetRunner:
         if not traces:
             return self.failed(episode)
         trace = traces[0]
+        # A trace forks into several branches where v1 re-rendered the conversation instead of
+        # extending the sampled tokens. The orchestrator's own record of every call (keyed by
+        # the trace id) is what it trains on, exactly, one sample per part (`Turn.restart`);
+        # the branch travels only as the last part's cross-check.
         branches = [b for b in trace.branches if b.trainable]
-        if tokens and len(branches) > 1:
-            raise RuntimeError(f"episodes with {len(branches)} branches are not supported yet (the trace forked: "
-                               "a harness that compacts or rewrites its history)")
         branch = branches[-1] if branches else None
         errors, error = self.errors_of(episode, trace)
         metrics = {name: float(v) for name, v in trace.metrics.items() if v is not None}

@@ -47,6 +47,12 @@ class Turn:
     completion_logprobs: list[float]
     """Sampler logprob of each completion token (same length as ``completion_ids``)."""
 
+    restart: bool = False
+    """``prompt_ids`` is the whole prompt, not an extension of the turns before: the
+    environment's own client re-rendered the conversation (a verifiers v1 taskset whose
+    model text does not re-tokenize to what was sampled). The rollout then trains as one
+    sample per run of turns that extend each other, each exact."""
+
 
 @dataclass(frozen=True)
 class ToolCall:
