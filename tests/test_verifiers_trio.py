@@ -53,13 +53,14 @@ def test_classic_multi_turn_env_trains_in_the_trio_and_resumes_after_its_worker_
 @pytest.mark.slow
 def test_v1_multi_turn_taskset_trains_in_the_trio(tmp_path, tiny_model):
     """v1-again (verifiers 0.4.0, three model turns, v1's null harness on the subprocess
-    runtime) in the real trio, 4 steps. Slow: v1's harness starts a program per turn
-    (~1.3 s each here), so a step of 16 episodes takes tens of seconds on two cores."""
+    runtime) in the real trio, 4 steps of 8 episodes. Slow: v1's harness starts a program per
+    turn (~1.3 s each here), so a step takes tens of seconds on two cores."""
     python = verifiers_venv("0.4.0", V1)
     run_dir = tmp_path / "run"
     config = tmp_path / "rl.toml"
     env = f'id = "v1-again"\npython = "{python}"'
-    config.write_text(trio_toml(tiny_model, run_dir, max_steps=MAX_STEPS, env=env, seq_len=256, max_tokens=8))
+    config.write_text(trio_toml(tiny_model, run_dir, max_steps=MAX_STEPS, env=env, seq_len=256, max_tokens=8,
+                                batch_size=8, rollouts_per_example=4) + "\n[preflight]\nenabled = false\n")
     proc, tag = start_launcher(config)
     finish(proc, run_dir, timeout=1500)
     assert tagged_processes(tag) == [], "the worker (and everything else) is gone after the run"

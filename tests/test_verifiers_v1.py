@@ -123,4 +123,4 @@ def test_a_v1_client_that_rerenders_the_conversation_trains_exact_parts(vf04_pyt
         for start, _ in mask_spans(mask):
             assert ids[:start].tolist() in prompts  # every turn's prompt as vLLM saw it
     row = metrics_row(tmp_path)
-    assert row["seq/restarted_frac"] == pytest.approx(1.0)
+    assert row["seq/restarted_frac"] == pytest.approx(1.0) and row["seq/turns_mean"] == pytest.approx(3.0)

@@ -578,14 +578,16 @@ def system_text(messages) -> str | None:
 
 
 def completion_of(branch) -> list[dict[str, Any]]:
-    """The branch's messages after the prompt (the nodes before its first sampled one)."""
+    """The branch's messages from the first assistant message on (the prompt is what comes
+    before). Not "from the first sampled node": in a branch v1 forked by re-rendering the
+    conversation, the earlier assistant messages are re-rendered, not sampled, nodes."""
     from verifiers.v1.dialects.chat import message_to_wire
 
     if branch is None:
         return []
-    nodes = branch.nodes
-    first = next((i for i, node in enumerate(nodes) if node.sampled), len(nodes))
-    return [message_to_wire(node.message) for node in nodes[first:]]
+    messages = [message_to_wire(node.message) for node in branch.nodes]
+    first = next((i for i, m in enumerate(messages) if m.get("role") == "assistant"), len(messages))
+    return messages[first:]
 
 
 async def gather_all(calls) -> list[Any]:
