@@ -238,7 +238,7 @@ class TasksetRunner:
         # A trace forks into several branches where v1 re-rendered the conversation instead of
         # extending the sampled tokens. The orchestrator's own record of every call (keyed by
         # the trace id) is what it trains on, exactly, one sample per part (`Turn.restart`);
-        # the branch travels only as the last part's cross-check.
+        # the last branch's tokens travel with the result only for inspection.
         branches = [b for b in trace.branches if b.trainable]
         branch = branches[-1] if branches else None
         errors, error = self.errors_of(episode, trace)
