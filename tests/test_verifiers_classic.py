@@ -278,6 +278,36 @@ def start_sampling(tmp_path, model, env_id: str, python, server, tag: str, **pop
     return proc
 
 
+def test_a_worker_that_goes_silent_stops_the_run_with_one_line(vf03_python, tmp_path, tiny_model):
+    """A reward function that blocks the worker's event loop: no heartbeat for
+    worker_timeout_s, so the orchestrator kills the worker and stops, naming it."""
+    with FakeInferenceServer(responder=reverse) as server:
+        env = {"id": "vf-broken", "python": str(vf03_python), "args": {"mode": "hang"}, "worker_timeout_s": 3}
+        path = tmp_path / "orchestrator.json"
+        path.write_text(json.dumps(orchestrator_config(tmp_path, tiny_model, env, server.url)))
+        started = time.monotonic()
+        done = subprocess.run([sys.executable, "-m", "orchestrator.main", "--config", str(path)], capture_output=True,
+                              text=True, timeout=180, env={**os.environ, "PYTHONPATH": str(REPO / "src")})
+        took = time.monotonic() - started
+    assert done.returncode == 1 and took < 120, done.stderr
+    (line,) = [l for l in done.stderr.strip().splitlines() if l.startswith("[orchestrator] error")]
+    assert "environment 'vf-broken': its worker sent nothing for 3 s" in line and "it hangs" in line
+
+
+def test_a_verifiers_version_outside_the_supported_ranges_is_one_line(tmp_path):
+    """The probe's answer from a Python with verifiers 0.2.0 (a stand-in interpreter)."""
+    from prime_rl.registry import ProbeError, check_worker_python, verifiers_api
+
+    assert [verifiers_api(v) for v in ("0.2.9", "0.3.0", "0.3.1", "0.4.0", "0.4.2rc1", "0.5.0")] == [
+        None, "classic", "classic", "v1", "v1", None]
+    python = tmp_path / "bin" / "python"
+    python.parent.mkdir()
+    python.write_text('#!/bin/sh\necho \'{"verifiers": "0.2.0", "found": true, "python": "3.11.7"}\'\n')
+    python.chmod(0o755)
+    with pytest.raises(ProbeError, match=r"has verifiers 0\.2\.0; supported: 0\.3\.x \(classic API\) or 0\.4\.x"):
+        check_worker_python("old-env", python)
+
+
 def test_killing_the_worker_stops_the_orchestrator_with_one_line_naming_the_environment(vf03_python, tmp_path, tiny_model):
     tag = new_tag()
     with FakeInferenceServer(responder=slow_reply) as server:
@@ -366,3 +396,22 @@ def test_gepa_candidates_replace_a_classic_envs_system_prompt(vf03_python):
     assert systems.count(f"Reverse it, {INSTRUCTION}.") == 3
     assert "lcs_reward = " in adapter.make_reflective_dataset({COMPONENT: "x"}, seed, [COMPONENT])[COMPONENT][0]["Feedback"]
     assert env.worker.proc.poll() is not None, "close() stops the worker"
+
+
+def test_prime_rl_gepa_optimizes_a_classic_envs_system_prompt(vf03_python, tmp_path):
+    """The command end to end: the seed is the classic environment's own system prompt, the
+    search runs its rollouts in the worker and writes the three result files."""
+    from test_gepa import reverse_if_told
+
+    with FakeInferenceServer(responder=reverse_if_told) as model:
+        endpoints = tmp_path / "endpoints.toml"
+        endpoints.write_text(f'[[endpoint]]\nendpoint_id = "roller"\nmodel = "fake-model"\nurl = "{model.url}/v1"\n')
+        done = subprocess.run([sys.executable, "-m", "prime_rl.cli", "gepa", "vf-single", "--python", str(vf03_python),
+                               "-m", "roller", "-B", "8", "-n", "4", "-N", "4", "--endpoints-path", str(endpoints),
+                               "--output-dir", str(tmp_path / "gepa")], cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "seed prompt 'Reverse the text character by character.'" in done.stderr
+    folder = done.stdout.split("[gepa] results in ")[1].split()[0]
+    meta = json.loads(open(f"{folder}/metadata.json").read())
+    assert meta["budget"]["used"] >= 4  # one validation pass at least, played by the worker
+    assert {"best_prompt.txt", "pareto_frontier.jsonl", "metadata.json"} <= set(os.listdir(folder))
