@@ -344,19 +344,25 @@ def test_the_worker_dies_with_the_orchestrator(vf03_python, tmp_path, tiny_model
 # --------------------------------------------------------------------------- eval and gepa
 
 
-def test_eval_of_a_classic_env_writes_results_with_rewards(vf03_python, tmp_path):
+def eval_results(env_id: str, python, tmp_path, responder, n: int, r: int) -> tuple[str, list[dict]]:
+    """`prime-rl eval ENV --python PY -m fake -n N -r R -s` against the fake server as a text
+    endpoint: (its stdout, the rows of results.jsonl)."""
     from test_eval import endpoints_file, eval_cli
 
-    with FakeInferenceServer(responder=reverse) as server:
+    with FakeInferenceServer(responder=responder) as server:
         endpoints = endpoints_file(tmp_path, server.url)
         out = tmp_path / "evals"
-        proc = eval_cli(["vf-single", "--python", str(vf03_python), "-m", "fake", "-n", "3", "-r", "2", "-s",
+        proc = eval_cli([env_id, "--python", str(python), "-m", "fake", "-n", str(n), "-r", str(r), "-s",
                          "--endpoints-path", str(endpoints), "--output-dir", str(out)],
-                        env={"FAKE_EVAL_KEY": "k", "COLUMNS": "120"}, timeout=240)
+                        env={"FAKE_EVAL_KEY": "k", "COLUMNS": "120"}, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "lcs_reward" in proc.stdout
-    (folder,) = (out / "vf-single--fake--model-1").iterdir()
-    rows = [json.loads(line) for line in (folder / "results.jsonl").read_text().splitlines()]
+    (folder,) = (out / f"{env_id}--fake--model-1").iterdir()
+    return proc.stdout, [json.loads(line) for line in (folder / "results.jsonl").read_text().splitlines()]
+
+
+def test_eval_of_a_classic_env_writes_results_with_rewards(vf03_python, tmp_path):
+    stdout, rows = eval_results("vf-single", vf03_python, tmp_path, reverse, n=3, r=2)
+    assert "lcs_reward" in stdout
     assert len(rows) == 6
     for row in rows:  # even requests answer the reversed text: reward 1; the others "nope"
         question = row["prompt"][-1]["content"]

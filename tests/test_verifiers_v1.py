@@ -12,7 +12,6 @@ sent and returned.
 from __future__ import annotations
 
 import difflib
-import json
 
 import pytest
 from prime_rl.wire import sample_arrays
@@ -20,7 +19,7 @@ from prime_rl.wire import sample_arrays
 from orchestrator.fake_inference import IM_END, LOGPROB, FakeInferenceServer
 
 from helpers import mask_spans
-from test_verifiers_classic import completion_prompts, metrics_row, one_batch, orchestrator_config, text
+from test_verifiers_classic import completion_prompts, eval_results, metrics_row, one_batch, orchestrator_config, text
 from verifiers_venvs import verifiers_venv
 
 V1 = ["v1-reverse", "v1-again"]
@@ -84,17 +83,7 @@ def test_v1_multi_turn_taskset_trains_each_branch_as_one_exact_sequence(vf04_pyt
 
 
 def test_eval_of_a_v1_taskset_writes_results_with_rewards(vf04_python, tmp_path):
-    from test_eval import endpoints_file, eval_cli
-
-    with FakeInferenceServer(responder=reverse_half) as server:
-        endpoints = endpoints_file(tmp_path, server.url)
-        out = tmp_path / "evals"
-        proc = eval_cli(["v1-reverse", "--python", str(vf04_python), "-m", "fake", "-n", "2", "-r", "2", "-s",
-                         "--endpoints-path", str(endpoints), "--output-dir", str(out)],
-                        env={"FAKE_EVAL_KEY": "k", "COLUMNS": "120"}, timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    (folder,) = (out / "v1-reverse--fake--model-1").iterdir()
-    rows = [json.loads(line) for line in (folder / "results.jsonl").read_text().splitlines()]
+    _, rows = eval_results("v1-reverse", vf04_python, tmp_path, reverse_half, n=2, r=2)
     assert len(rows) == 4
     for row in rows:
         reply = row["completion"][-1]["content"].strip()
