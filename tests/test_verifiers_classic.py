@@ -78,23 +78,29 @@ def reverse(messages, index):
     return str(messages[-1]["content"])[::-1] if index % 2 == 0 else "nope"
 
 
-def test_classic_single_turn_env_is_played_with_exact_tokens(vf03_python, tmp_path, tiny_model):
-    with FakeInferenceServer(responder=reverse) as server:
-        config = orchestrator_config(tmp_path, tiny_model, {"id": "vf-single", "python": str(vf03_python)}, server.url)
-        samples = one_batch(config, tmp_path)
-        prompts = completion_prompts(server)
-    assert len(samples) == 4
+def check_reversals(samples, prompts: list[list[int]]) -> None:
+    """Single-turn reverse-text samples: each is exactly a prompt the fake server was sent
+    (with the environment's system prompt), then what it sampled, with its logprobs, and the
+    reward is the difflib ratio of the reply and the reversed text."""
     for sample in samples:
         ids, mask, logprobs = sample_arrays(sample)
         (span,) = mask_spans(mask)
-        # the sequence is exactly a prompt the fake server was sent, then what it sampled
         assert ids[: span[0]].tolist() in prompts
         assert span[1] == len(ids) and ids[-1] == IM_END
         assert logprobs[mask].tolist() == pytest.approx([LOGPROB] * int(mask.sum()))
         question = text(ids[: span[0]]).split("user\n")[-1].split("\n")[0]
         reply = text(ids[span[0] :])  # the sampled text, without <|im_end|>
         assert sample.reward == pytest.approx(difflib.SequenceMatcher(None, reply.strip(), question[::-1]).ratio())
-        assert "Reverse the text character by character." in text(ids[: span[0]])  # the env's system prompt
+        assert "Reverse the text character by character." in text(ids[: span[0]])
+
+
+def test_classic_single_turn_env_is_played_with_exact_tokens(vf03_python, tmp_path, tiny_model):
+    with FakeInferenceServer(responder=reverse) as server:
+        config = orchestrator_config(tmp_path, tiny_model, {"id": "vf-single", "python": str(vf03_python)}, server.url)
+        samples = one_batch(config, tmp_path)
+        prompts = completion_prompts(server)
+    assert len(samples) == 4
+    check_reversals(samples, prompts)
     assert sorted(s.reward for s in samples)[-1] == pytest.approx(1.0)
     row = metrics_row(tmp_path)
     assert {"reward/vf-single/mean", "metrics/vf-single/lcs_reward", "metrics/vf-single/answer_len"} <= row.keys()

@@ -16,10 +16,12 @@ import difflib
 import pytest
 from prime_rl.wire import sample_arrays
 
-from orchestrator.fake_inference import IM_END, LOGPROB, FakeInferenceServer
+from orchestrator.fake_inference import IM_END, FakeInferenceServer
 
 from helpers import mask_spans
-from test_verifiers_classic import completion_prompts, eval_results, metrics_row, one_batch, orchestrator_config, text
+from test_verifiers_classic import (
+    check_reversals, completion_prompts, eval_results, metrics_row, one_batch, orchestrator_config, reverse, text,
+)
 from verifiers_venvs import verifiers_venv
 
 V1 = ["v1-reverse", "v1-again"]
@@ -30,27 +32,13 @@ def vf04_python():
     return verifiers_venv("0.4.0", V1)
 
 
-def reverse_half(messages, index):
-    return str(messages[-1]["content"])[::-1] if index % 2 == 0 else "nope"
-
-
 def test_v1_single_turn_taskset_is_played_with_exact_tokens(vf04_python, tmp_path, tiny_model):
-    with FakeInferenceServer(responder=reverse_half) as server:
+    with FakeInferenceServer(responder=reverse) as server:
         config = orchestrator_config(tmp_path, tiny_model, {"id": "v1-reverse", "python": str(vf04_python)}, server.url)
         samples = one_batch(config, tmp_path)
         prompts = completion_prompts(server)
     assert len(samples) == 4 and len(prompts) == 4
-    for sample in samples:
-        ids, mask, logprobs = sample_arrays(sample)
-        (span,) = mask_spans(mask)
-        assert ids[: span[0]].tolist() in prompts  # the prompt v1 rendered, exactly as sent to vLLM
-        assert span[1] == len(ids) and ids[-1] == IM_END
-        assert logprobs[mask].tolist() == pytest.approx([LOGPROB] * int(mask.sum()))
-        question = text(ids[: span[0]]).split("user\n")[-1].split("\n")[0]
-        reply = text(ids[span[0] :]).strip()
-        expected = 1.0 if reply == question[::-1] else difflib.SequenceMatcher(None, reply, question[::-1]).ratio()
-        assert sample.reward == pytest.approx(expected)
-        assert "Reverse the text character by character." in text(ids[: span[0]])  # the task's system prompt
+    check_reversals(samples, prompts)  # the prompts v1 rendered, exactly as sent to vLLM
     row = metrics_row(tmp_path)
     assert {"reward/v1-reverse/mean", "metrics/v1-reverse/reversed_match", "metrics/v1-reverse/reply_len"} <= row.keys()
     assert row["errors/v1-reverse/reversed_match"] == 0 and row["reward/v1-reverse/mean"] > 0
@@ -83,7 +71,7 @@ def test_v1_multi_turn_taskset_trains_each_branch_as_one_exact_sequence(vf04_pyt
 
 
 def test_eval_of_a_v1_taskset_writes_results_with_rewards(vf04_python, tmp_path):
-    _, rows = eval_results("v1-reverse", vf04_python, tmp_path, reverse_half, n=2, r=2)
+    _, rows = eval_results("v1-reverse", vf04_python, tmp_path, reverse, n=2, r=2)
     assert len(rows) == 4
     for row in rows:
         reply = row["completion"][-1]["content"].strip()

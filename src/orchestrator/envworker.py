@@ -77,9 +77,10 @@ class WorkerProcess:
             )
         child.close()
 
-    def load(self, env_id: str, module: str, args: dict[str, Any], timeout_s: float) -> dict[str, Any]:
-        """Send `load` and wait for `loaded`; EnvironmentWorkerError with the worker's reason."""
-        wire.send_blocking(self.sock, {"op": "load", "id": env_id, "module": module, "args": args})
+    def load(self, env_id: str, module: str, args: dict[str, Any], api: str, timeout_s: float) -> dict[str, Any]:
+        """Send `load` (``api``: `classic` or `v1`) and wait for `loaded`; EnvironmentWorkerError
+        with the worker's reason."""
+        wire.send_blocking(self.sock, {"op": "load", "id": env_id, "module": module, "args": args, "api": api})
         deadline = time.monotonic() + timeout_s
         while True:
             try:
@@ -360,13 +361,13 @@ def last_line(log: Path) -> str:
     return lines[-1][:300] if lines else "(empty)"
 
 
-def start_worker_env(name: str, env_id: str, module: str, args: dict[str, Any], python: str, log: Path,
+def start_worker_env(name: str, env_id: str, module: str, args: dict[str, Any], api: str, python: str, log: Path,
                      max_concurrent: int, load_timeout_s: float, timeout_s: float, tokenizer: str | None = None
                      ) -> WorkerEnvironment:
-    """Start the worker, load the environment there, and wrap it as an Environment."""
+    """Start the worker, load the environment there through ``api``, and wrap it as an Environment."""
     worker = WorkerProcess(name, python, log, tokenizer)
     try:
-        loaded = worker.load(env_id, module, args, load_timeout_s)
+        loaded = worker.load(env_id, module, args, api, load_timeout_s)
         return WorkerEnvironment(name, env_id, worker, loaded, max_concurrent, timeout_s)
     except BaseException:
         worker.kill()

@@ -21,7 +21,7 @@ from pathlib import Path
 from prime_rl.config import EnvConfig
 from prime_rl.envs import DatasetUnavailable, Environment
 from prime_rl.envs.sandbox import SandboxUnavailable
-from prime_rl.registry import builtins, resolve
+from prime_rl.registry import ProbeError, builtins, check_worker_python, resolve, verifiers_api
 
 from orchestrator.envworker import EnvironmentWorkerError, WorkerEnvironment, start_worker_env
 
@@ -94,9 +94,11 @@ def worker_env(env_cfg: EnvConfig, python: str, run_dir: Path | None, tokenizer:
     name = env_cfg.metric_name
     log = (run_dir or Path("outputs/run")) / "logs" / f"env-{name}.log"
     try:
-        env = start_worker_env(name, env_cfg.id, resolve(env_cfg.id), dict(env_cfg.args), python, log,
+        # the launcher's probe of that Python (cached here): its verifiers decides the API
+        api = verifiers_api(check_worker_python(env_cfg.id, python).verifiers)
+        env = start_worker_env(name, env_cfg.id, resolve(env_cfg.id), dict(env_cfg.args), api, python, log,
                                env_cfg.max_concurrent, LOAD_TIMEOUT_S, env_cfg.worker_timeout_s, tokenizer)
-    except EnvironmentWorkerError as e:
+    except (EnvironmentWorkerError, ProbeError) as e:
         raise ValueError(str(e)) from None
     print(f"[orchestrator] environment {name!r}: {env.describe()}", flush=True)
     return env

@@ -10,7 +10,7 @@ module. The orchestrator talks to it over one end of a socket pair (``--fd``), i
 of ``vfworker_wire``:
 
   orchestrator -> worker                     worker -> orchestrator
-  load {id, module, args, log_prefix}        loaded {kind, verifiers, dataset, ...} | error
+  load {id, module, args, api}               loaded {kind, verifiers, dataset, ...} | error
   run_group {group, split, index, prompt,    model {call, group, rollout, messages, tools}
              n, tokens}                      generate {call, group, rollout, prompt_ids}
   model_reply / model_error {call, ...}      group_done {group, rollouts} | group_failed
@@ -63,21 +63,10 @@ def verifiers_version() -> str:
     return importlib.metadata.version("verifiers")
 
 
-def verifiers_api(version: str) -> str | None:
-    parts = [int(p) for p in version.split(".")[:2] if p.isdigit()]
-    if parts[:1] == [0] and len(parts) == 2 and parts[1] == 3:
-        return "classic"
-    if parts[:1] == [0] and len(parts) == 2 and parts[1] == 4:
-        return "v1"
-    return None
-
-
 def load(message: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
-    """(runner, the `loaded` frame) for the environment the `load` frame names."""
-    version = verifiers_version()
-    api = verifiers_api(version)
-    if api is None:
-        raise LoadError(f"verifiers {version} is installed; supported: 0.3.x (classic API) or 0.4.x (v1 tasksets)")
+    """(runner, the `loaded` frame) for the environment the `load` frame names, through the API
+    (`classic` or `v1`) the orchestrator chose from this Python's verifiers version."""
+    version, api = verifiers_version(), message["api"]
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         if api == "classic":
