@@ -120,15 +120,15 @@ def test_classic_multi_turn_env_concatenates_the_sampled_turns(vf03_python, tmp_
     with FakeInferenceServer(responder=chatter) as server:
         config = orchestrator_config(tmp_path, tiny_model, {"id": "vf-multi", "python": str(vf03_python)}, server.url)
         samples = one_batch(config, tmp_path)
-        requests = [body for _, path, body in server.calls if path.startswith("/v1/completions")]
-    assert len(samples) == 4 and len(requests) == 12  # 4 rollouts x 3 turns
+        prompts = completion_prompts(server)
+    assert len(samples) == 4 and len(prompts) == 12  # 4 rollouts x 3 turns
     for sample in samples:
         ids, mask, _ = sample_arrays(sample)
         runs = mask_spans(mask)
         assert len(runs) == 3, "three model turns, each its own span of sampled tokens"
         for k, (start, end) in enumerate(runs):
             # turn k's prompt is the sequence so far, exactly: a request the fake server received
-            assert any([int(t) for t in body["prompt"]] == ids[:start].tolist() for body in requests), f"turn {k}"
+            assert ids[:start].tolist() in prompts, f"turn {k}"
             assert text(ids[start:end]).startswith("reply ") and ids[end - 1] == IM_END
         between = text(ids[runs[0][1] : runs[1][0]])
         assert "user\n" in between and not mask[runs[0][1] : runs[1][0]].any()  # the env's message: in the sequence, out of the loss
