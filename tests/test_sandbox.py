@@ -1,8 +1,12 @@
-"""The python sandbox (bubblewrap): output, each limit (wall clock, CPU, memory, processes,
-output length), no network, no writes outside the scratch directory, no reading other users'
-files, concurrency without blocking the event loop, and nothing left running after a call."""
+"""The python sandbox (bubblewrap): output, each limit (wall clock, CPU, memory per process and
+per call, processes, open files, scratch bytes, output length), no network, no writes outside
+the scratch directory, nothing of the host visible but the system and the interpreter,
+concurrency without blocking the event loop, and nothing (process, cgroup, mount) left after a
+call. The sandbox needs root (scratch tmpfs, per-call cgroups): elsewhere every running test
+skips, saying why."""
 
 import asyncio
+import math
 import os
 import socket
 import sys
@@ -11,12 +15,15 @@ import time
 from pathlib import Path
 
 import pytest
+from prime_rl.envs import sandbox as sandbox_module
 from prime_rl.envs.sandbox import SANDBOX_UID, Sandbox, SandboxLimits, SandboxResult, SandboxUnavailable
 
 from helpers import REPO, sandbox_unavailable
 
 AS_ROOT = os.geteuid() == 0
 SHORT = SandboxLimits(wall_s=4, cpu_s=2, memory_mb=1024, max_procs=16, max_output_chars=400)
+BOUNDED = SandboxLimits(wall_s=8, cpu_s=4, call_memory_mb=128, scratch_mb=16, max_open_files=32, max_procs=16)
+"""Small per-call bounds, so that the tests trying to exceed them stay cheap."""
 
 
 @pytest.mark.skipif(not os.environ.get("CI"), reason="only CI promises a sandbox (scripts/test.sh installs bubblewrap)")
@@ -33,11 +40,25 @@ def sandbox():
     return Sandbox(SHORT, max_concurrent=4)
 
 
+@pytest.fixture(scope="module")
+def bounded(sandbox):
+    return Sandbox(BOUNDED, max_concurrent=2)
+
+
 @pytest.fixture
 def scratch(sandbox):
     path = sandbox.new_scratch()
     yield path
     sandbox.remove_scratch(path)
+    assert not path.exists()
+
+
+@pytest.fixture
+def bounded_scratch(bounded):
+    """A scratch directory of BOUNDED's size (the sandbox that makes it sets its cap)."""
+    path = bounded.new_scratch()
+    yield path
+    bounded.remove_scratch(path)
     assert not path.exists()
 
 
@@ -71,16 +92,32 @@ def suspects() -> set[str]:
     return {f"{pid} {table[pid][2]} ({table[pid][3]})" for pid in found}
 
 
+def call_cgroups() -> list[Path]:
+    """The per-call cgroups that exist now (there is none between calls)."""
+    found = sandbox_module._FOUND_CGROUPS
+    if not found or isinstance(found[0], str):
+        return []
+    parents = {found[0].memory_parent, found[0].pids_parent}
+    return sorted(path for parent in parents for path in parent.glob("call-*"))
+
+
+def scratch_mounts() -> set[str]:
+    return {line.split()[4] for line in Path("/proc/self/mountinfo").read_text().splitlines() if "/scratch-" in line}
+
+
 @pytest.fixture(autouse=True)
 def nothing_left_running():
     """After every test: no process a sandbox made is alive or unreaped (the kernel may take a
-    moment to tear a PID namespace down, hence the short poll)."""
-    before = suspects()
+    moment to tear a PID namespace down, hence the short poll), no call cgroup is left and no
+    scratch tmpfs stays mounted past its ``remove_scratch``."""
+    before, mounts_before = suspects(), scratch_mounts()
     yield
     deadline = time.monotonic() + 3
     while (left := suspects() - before) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert sorted(left) == []
+    assert call_cgroups() == []
+    assert scratch_mounts() <= mounts_before
 
 
 def run(sandbox, code, scratch) -> SandboxResult:
@@ -203,6 +240,152 @@ def test_file_size_limit(sandbox, scratch):
     assert result.error == "file size limit of 1 MB exceeded"
 
 
+# --------------------------------------------------------------------------- limits of the whole call
+# Each test below tries to exceed one bound of BOUNDED; the numbers are those of docs/sandbox.md.
+
+FORK_HOLDERS = """
+import os, time
+children = []
+for _ in range(4):
+    pid = os.fork()
+    if pid == 0:
+        block = bytearray(60 * 2**20)
+        for i in range(0, len(block), 4096):  # touch every page: resident, not just reserved
+            block[i] = 1
+        time.sleep(1)
+        os._exit(0)
+    children.append(pid)
+codes = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in children]
+print('held', codes.count(0), 'killed', codes.count(-9))
+"""
+
+
+@pytest.mark.timeout(30)
+def test_forked_children_share_one_memory_bound(bounded, scratch):
+    # 4 x 60 MB stays under each process's RLIMIT_AS (1024 MB) but not under the call's 128 MB
+    result = run(bounded, FORK_HOLDERS, scratch)
+    assert result.error == "memory limit of 128 MB for the whole call reached (killed)"
+    held, killed = (int(n) for n in result.stdout.split()[1::2])
+    assert held <= 2 and killed == 4 - held, result.stdout  # two 60 MB children at most fit
+
+
+MEMFDS = """
+import os
+for i in range(4):
+    os.write(os.memfd_create(f'block{i}'), b'x' * (60 * 2**20))  # never mapped: not in RLIMIT_AS
+    print('memfd', i + 1, flush=True)
+print('held 240 MB')
+"""
+
+
+@pytest.mark.timeout(30)
+def test_memfd_pages_count_in_the_call_memory(bounded, scratch):
+    result = run(bounded, MEMFDS, scratch)
+    assert result.error == "memory limit of 128 MB for the whole call reached (killed)"
+    assert "held 240 MB" not in result.stdout and "memfd 3" not in result.stdout, result.stdout
+
+
+FILL_SCRATCH = """
+import sys
+written = 0
+try:
+    for i in range(int(sys.argv[1]) if len(sys.argv) > 1 else 2):
+        with open(f'part{{i}}-{call}', 'wb') as f:
+            for _ in range(6):
+                f.write(b'x' * 2**20)
+                written += 2**20
+finally:
+    print('wrote MB', written >> 20, flush=True)
+"""
+
+
+@pytest.mark.timeout(30)
+def test_scratch_bytes_are_capped_in_total(bounded, bounded_scratch):
+    # 12 MB per call in files of 6 MB (each under max_file_mb): the 16 MB cap is the rollout's
+    scratch = bounded_scratch
+    first, second = (run(bounded, FILL_SCRATCH.format(call=n), scratch) for n in (1, 2))
+    assert first.ok and first.stdout == "wrote MB 12\n"
+    assert second.error == "scratch space limit of 16 MB reached" and "No space left on device" in second.stderr
+    assert int(second.stdout.split()[-1]) == 4  # what was left of the 16 MB, not another 12
+    assert sum(path.stat().st_size for path in scratch.iterdir()) <= 16 * 2**20
+
+
+OPEN_FILES = """
+import os, resource
+_, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # raise the soft limit as far as allowed
+fds = []
+try:
+    while len(fds) < 5000:
+        fds.append(os.open('/dev/null', os.O_RDONLY))
+finally:
+    print('hard', hard, 'opened', len(fds), flush=True)
+"""
+
+
+@pytest.mark.timeout(30)
+def test_open_files_are_bounded(bounded, scratch):
+    result = run(bounded, OPEN_FILES, scratch)
+    assert result.error == "open files limit of 32 per process reached"
+    assert result.stdout.split()[:2] == ["hard", "32"] and int(result.stdout.split()[3]) < 32
+
+
+FORK_TO_THE_LIMIT = """
+import os, time
+count = 1
+try:
+    while count < 200:
+        if os.fork() == 0:
+            time.sleep(3)
+            os._exit(0)
+        count += 1
+except OSError:
+    pass
+print('processes', count, flush=True)
+time.sleep(1.5)
+"""
+
+
+@pytest.mark.timeout(30)
+def test_processes_are_bounded_by_the_call_cgroup(bounded, scratch):
+    async def main():
+        call = asyncio.create_task(bounded.run_python(FORK_TO_THE_LIMIT, scratch))
+        while not (cgroups := call_cgroups()) and not call.done():
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.8)  # the program has forked all it could by now
+        names = ("pids.max", "pids.current", "memory.max", "memory.limit_in_bytes")  # v2 or v1 names
+        seen = {name: (c / name).read_text().strip() for c in cgroups for name in names if (c / name).exists()}
+        return await call, seen
+
+    result, seen = asyncio.run(main())
+    assert result.ok and result.stdout == "processes 16\n"  # RLIMIT_NPROC: 16, the program included
+    assert seen["pids.max"] == "18" and seen["pids.current"] == "18"  # the cgroup: + bwrap's 2
+    assert int(seen.get("memory.max") or seen["memory.limit_in_bytes"]) == 128 * 2**20
+
+
+def test_limits_must_be_finite_and_positive():
+    for name, value in [("wall_s", math.nan), ("wall_s", math.inf), ("wall_s", -1.0), ("cpu_s", math.inf),
+                        ("cpu_s", 2.5), ("memory_mb", math.nan), ("call_memory_mb", math.inf),
+                        ("max_procs", True), ("max_open_files", 0), ("scratch_mb", math.inf),
+                        ("max_file_mb", "64"), ("max_output_chars", math.nan)]:  # fmt: skip
+        with pytest.raises(ValueError, match=f"SandboxLimits.{name} must be"):
+            SandboxLimits(**{name: value})
+    with pytest.raises(ValueError, match="scratch_mb .* must be below call_memory_mb"):
+        SandboxLimits(call_memory_mb=64, scratch_mb=64)
+
+
+def test_missing_bounds_fail_closed(monkeypatch):
+    monkeypatch.setattr("prime_rl.envs.sandbox._AVAILABLE", set())
+    monkeypatch.setattr("prime_rl.envs.sandbox.shutil.which", lambda tool: f"/usr/bin/{tool}")
+    monkeypatch.setattr("prime_rl.envs.sandbox._FOUND_CGROUPS", ["no cgroup hierarchy with the memory and pids controllers is mounted"])
+    monkeypatch.setattr("prime_rl.envs.sandbox.os.geteuid", lambda: 0)
+    with pytest.raises(SandboxUnavailable, match="bounds each call with a cgroup, but no cgroup hierarchy.*delegated cgroup v2"):
+        Sandbox.check_available()
+    monkeypatch.setattr("prime_rl.envs.sandbox.os.geteuid", lambda: 1000)
+    with pytest.raises(SandboxUnavailable, match="needs root: each rollout's scratch directory is a size-capped tmpfs"):
+        Sandbox.check_available()
+
+
 # --------------------------------------------------------------------------- isolation
 
 NETWORK = """
@@ -244,31 +427,47 @@ def test_host_tmp_and_home_are_hidden(sandbox, scratch):
     # an interpreter (a venv of a checkout) under /tmp is bound back in: only its own path shows
     reexposed = {Path(sys.prefix).resolve().parts[2]} if Path(sys.prefix).resolve().parts[1:2] == ("tmp",) else set()
     with tempfile.NamedTemporaryFile(prefix="host-secret-") as host_file:
-        result = run(sandbox, "import os\nprint(sorted(os.listdir('/tmp')))\nprint(os.listdir('/run'))\n"
+        result = run(sandbox, "import os\nprint(sorted(os.listdir('/tmp')))\nprint(os.path.exists('/run'))\n"
                      f"print(os.path.exists({host_file.name!r}))", scratch)
-    assert result.stdout.splitlines()[:3] == [str(sorted({"main.py", "work"} | reexposed)), "[]", "False"]
+    assert result.stdout.splitlines()[:3] == [str(sorted({"main.py", "work"} | reexposed)), "False", "False"]
+
+
+@pytest.mark.timeout(30)
+def test_only_the_system_and_the_interpreter_are_visible(sandbox, scratch):
+    # world-readable host files a sandbox has no need for: the repo, other runs' outputs, ...
+    probe_dir = Path(tempfile.mkdtemp(prefix="prime-rl-sandbox-visible-", dir=REPO.parent))
+    (probe_dir / "metrics.jsonl").write_text("{}")
+    probe_dir.chmod(0o755)
+    paths = [REPO / ".git" / "config", REPO / "pyproject.toml", REPO / "outputs", probe_dir / "metrics.jsonl",
+             "/home", "/srv", "/opt", "/mnt", "/media", "/var", "/root/.bashrc", "/sys", "/boot"]  # fmt: skip
+    code = f"import os, sys\nfor path in {[str(p) for p in paths]!r}:\n    print(path, os.path.exists(path))\n"
+    code += f"print(sorted(os.listdir({str(REPO)!r})))\nimport numpy, sympy\nprint(sys.prefix)"
+    try:
+        result = run(sandbox, code, scratch)
+    finally:
+        (probe_dir / "metrics.jsonl").unlink()
+        probe_dir.rmdir()
+    lines = result.stdout.splitlines()
+    assert result.ok, result.text()
+    assert lines[: len(paths)] == [f"{path} False" for path in paths]
+    venv = Path(sys.prefix).resolve()  # the venv itself is bound, never the checkout around it
+    assert lines[len(paths)] == (str([venv.name]) if venv.parent == REPO else "[]")
+    assert lines[-1] == sys.prefix
 
 
 @pytest.mark.skipif(not AS_ROOT, reason="needs root to make a file the sandbox user must not read")
 @pytest.mark.timeout(30)
 def test_cannot_read_other_users_files(sandbox, scratch):
-    # a folder the sandbox sees (/tmp, where a checkout may live, is hidden from it)
-    secret_dir = Path(tempfile.mkdtemp(prefix="prime-rl-sandbox-secret-", dir="/var/lib"))
-    try:
-        secret_dir.chmod(0o711)
-        secret = secret_dir / "secret.txt"
-        secret.write_text("root only")
-        secret.chmod(0o600)
-        code = ("for path in [%r, '/etc/shadow', '/root/.bashrc', '/proc/1/environ']:\n"
-                "    try:\n        print(path, 'READ', open(path).read()[:20])\n"
-                "    except OSError as e:\n        print(path, 'refused', e.strerror)\n") % str(secret)
-        result = run(sandbox, code, scratch)
-    finally:
-        for path in sorted(secret_dir.rglob("*"), reverse=True):
-            path.unlink()
-        secret_dir.rmdir()
+    # the only host folder the sandbox both sees and may enter is its scratch directory
+    secret = scratch / "secret.txt"
+    secret.write_text("root only")
+    secret.chmod(0o600)
+    code = ("for path in ['/tmp/work/secret.txt', '/etc/shadow', '/root/.bashrc', '/proc/1/environ']:\n"
+            "    try:\n        print(path, 'READ', open(path).read()[:20])\n"
+            "    except OSError as e:\n        print(path, 'refused', e.strerror)\n")
+    result = run(sandbox, code, scratch)
     assert result.ok and "READ" not in result.stdout, result.stdout
-    assert f"{secret} refused Permission denied" in result.stdout
+    assert "/tmp/work/secret.txt refused Permission denied" in result.stdout
 
 
 # --------------------------------------------------------------------------- concurrency

@@ -322,17 +322,26 @@ def load_environment(
     timeout_s: float = 10.0,
     cpu_s: int = 5,
     memory_mb: int = 1024,
+    call_memory_mb: int = 1024,
+    scratch_mb: int = 64,
+    max_open_files: int = 64,
     max_output_chars: int = 4000,
     max_concurrent_sandboxes: int = 4,
 ) -> MathPythonEnv:
     """``num_train_examples`` / ``num_eval_examples`` (-1: all; 7500 / 5000 when generated),
     ``max_turns`` (model turns, the final answer's included), ``system_prompt``, ``seed``,
     ``source`` (`auto`, `hub`, `generated`), ``data_path``; the sandbox's limits per call:
-    ``timeout_s`` (wall clock), ``cpu_s``, ``memory_mb``, ``max_output_chars`` (of stdout and
-    of stderr), and ``max_concurrent_sandboxes`` (programs running at once; the others wait).
-    Raises ``SandboxUnavailable`` when bubblewrap cannot run here."""
+    ``timeout_s`` (wall clock), ``cpu_s``, ``memory_mb`` (each process), ``call_memory_mb``
+    (all of the call's processes, memfds and scratch writes together), ``scratch_mb`` (the
+    rollout's scratch directory in all), ``max_open_files`` (each process), ``max_output_chars``
+    (of stdout and of stderr), and ``max_concurrent_sandboxes`` (programs running at once; the
+    others wait; the host holds at most that many times ``call_memory_mb``). Raises
+    ``SandboxUnavailable`` when the sandbox cannot run here with all its bounds."""
     _check_args(num_train_examples, num_eval_examples, max_turns, seed, source, system_prompt)
-    limits = SandboxLimits(wall_s=timeout_s, cpu_s=cpu_s, memory_mb=memory_mb, max_output_chars=max_output_chars)
+    limits = SandboxLimits(
+        wall_s=timeout_s, cpu_s=cpu_s, memory_mb=memory_mb, call_memory_mb=call_memory_mb,
+        scratch_mb=scratch_mb, max_open_files=max_open_files, max_output_chars=max_output_chars,
+    )  # fmt: skip
     sandbox = Sandbox(limits, max_concurrent=max_concurrent_sandboxes)
     train, eval_rows = load_splits(num_train_examples, num_eval_examples, seed, source, data_path)
     train = train if num_train_examples == -1 else train[:num_train_examples]
