@@ -213,3 +213,55 @@ def test_process_config_reads_config_flags_in_every_form(tmp_path):
     for argv in (["--config"], ["--max-steps", "3", "--config"], ["--config", "--max-steps", "3"], ["--config="]):
         with pytest.raises(ConfigError, match="--config: expected the path of a config file"):
             process_config(SFTConfig, argv)
+
+
+def prompt_file_error(tmp_path, prompt) -> str | None:
+    """The one-line error of an `[[env]]` entry with this `system_prompt_file` (None: accepted)."""
+    config = tmp_path / "prompt.toml"
+    config.write_text(f'[[env]]\nid = "reverse-text"\nsystem_prompt_file = "{prompt}"\n')
+    try:
+        load_config(RLConfig, [config], [])
+    except ConfigError as e:
+        assert len(str(e).splitlines()) == 1, str(e)
+        return str(e)
+    return None
+
+
+def test_system_prompt_file_must_be_a_plain_text_file(tmp_path):
+    """A directory is named as one (not "does not exist"); kernel views (/proc, /sys, /dev, also
+    through a symlink) and other non-regular files are refused: their text would become every
+    example's system prompt."""
+    (tmp_path / "environ").symlink_to("/proc/self/environ")
+    os.mkfifo(tmp_path / "fifo")
+    expected = {
+        tmp_path: "is a directory, expected a text file",
+        "/proc/self/environ": "lies under /proc, a view of the system",
+        tmp_path / "environ": "lies under /proc, a view of the system",
+        "/sys/kernel/notes": "lies under /sys",
+        "/dev/null": "lies under /dev",
+        tmp_path / "fifo": "is not a regular file",
+        tmp_path / "missing.txt": "does not exist",
+    }
+    for prompt, text in expected.items():
+        error = prompt_file_error(tmp_path, prompt)
+        assert error is not None and f"system_prompt_file: '{prompt}' {text}" in error, (prompt, error)
+    (tmp_path / "prompt.txt").write_text("Be brief.")
+    assert prompt_file_error(tmp_path, tmp_path / "prompt.txt") is None
+
+
+@pytest.mark.parametrize("euid", [0, 1000])
+def test_a_root_only_prompt_file_is_refused_when_running_as_root(tmp_path, monkeypatch, euid):
+    """Root reads every file, so a file others may not read (/etc/shadow's mode) would leak into
+    the prompts; it is refused when running as root, and read as before otherwise."""
+    secret = tmp_path / "secret.txt"
+    secret.write_text("token")
+    secret.chmod(0o640)
+    monkeypatch.setattr(os, "geteuid", lambda: euid)
+    monkeypatch.setattr(os, "access", lambda path, mode: True)  # the owner may read it
+    error = prompt_file_error(tmp_path, secret)
+    if euid == 0:
+        assert error is not None and "is readable only with root's privileges; make it world-readable (chmod a+r)" in error
+        secret.chmod(0o644)
+        assert prompt_file_error(tmp_path, secret) is None
+    else:
+        assert error is None

@@ -58,6 +58,24 @@ CASES = [
     ("seq_len = 128\n[inference]\nseq_len = 256\n", [], "conflicting values: `seq_len` = 128 but `inference.seq_len` = 256"),
     # not TOML at all
     ("max_steps = = 3\n", [], "not valid TOML"),
+    # nesting that would otherwise crash with a RecursionError: tomllib's parser (arrays, inline
+    # tables), the walk of a merged config, the error formatter's repr, JSON in a flag
+    ("max_steps = " + "[" * 100_000 + "]" * 100_000 + "\n", [], "not valid TOML: tables or arrays nested more than 64"),
+    ("[[env]]\nargs = " + "{a = " * 1000 + "1" + "}" * 1000 + "\n", [], "not valid TOML: tables or arrays nested more than 64"),
+    ("max_steps = " + "[" * 100 + "]" * 100 + "\n", [], "`max_steps.0.0`: tables or arrays nested more than 64 levels deep"),
+    ("[[env]]\nargs." + ".".join(["a"] * 1000) + " = 1\n", [], "`env.0.args`: tables or arrays nested more than 64"),
+    ("[" + ".".join(["a"] * 1000) + "]\n", [], "`a.a.a`: tables or arrays nested more than 64 levels deep"),
+    ("", ["--max-steps", "[" * 100_000 + "]" * 100_000], "flag --max-steps: tables or arrays nested more than 64"),
+    ("", ["--max-steps", "[" * 100 + "]" * 100], "flags: `max_steps.0.0`: tables or arrays nested more than 64"),
+    ("", ["--" + ".".join(["a"] * 1000), "1"], "flags: `a.a.a`: tables or arrays nested more than 64"),
+    # non-finite floats: every batch would fail the wire's finite check and the trainer time out
+    ("[sampling]\ntemperature = inf\n", [], "sampling.temperature: Input should be a finite number"),
+    ("[trainer.optim]\nlr = inf\n", [], "trainer.optim.lr: Input should be a finite number"),
+    ("[trainer.optim]\nlr = nan\n", [], "trainer.optim.lr: Input should be a finite number"),
+    ("", ["--trainer.optim.lr", "inf"], "trainer.optim.lr: Input should be a finite number"),
+    ("", ["--sampling.temperature", "nan"], "sampling.temperature: Input should be a finite number"),
+    ("[trainer.optim]\nmax_grad_norm = inf\n", [], "trainer.optim.max_grad_norm: Input should be a finite number"),
+    ("[[env]]\nid = 'reverse-text'\nweight = nan\n", [], "env.0.weight: Input should be a finite number"),
     # checkpoints and resuming
     ("[ckpt]\ninterval = -1\n", [], "ckpt.interval: Input should be greater than or equal to 0"),
     ("[orchestrator.ckpt]\ninterval = 3\n", [], "conflicting values: `orchestrator.ckpt` differs from `trainer.ckpt`"),

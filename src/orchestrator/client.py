@@ -448,7 +448,10 @@ def _chat_choice(choice: dict[str, Any]) -> tuple[str, str | None, tuple[ToolCal
         function = call.get("function") or {}
         arguments = function.get("arguments")
         if not isinstance(arguments, str):
-            arguments = json.dumps(arguments if arguments is not None else {})
+            try:
+                arguments = json.dumps(arguments if arguments is not None else {})
+            except RecursionError:  # the model nested them too deeply: the tool's error message says so
+                arguments = "<arguments nested too deeply to encode>"
         calls.append(ToolCall(str(call.get("id") or f"call_{i}"), str(function.get("name") or ""), arguments))
     return message.get("content") or "", choice.get("finish_reason"), tuple(calls)
 

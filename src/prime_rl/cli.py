@@ -444,7 +444,9 @@ def parse_env_args(value: str) -> dict[str, Any]:
     try:
         parsed = json.loads(value)
     except json.JSONDecodeError as e:
-        raise ConfigError(f"-a/--env-args: not valid JSON ({e}): {value!r}") from None
+        raise ConfigError(f"-a/--env-args: not valid JSON ({e}): {value[:200]!r}") from None
+    except RecursionError:  # json recurses once per level of nesting
+        raise ConfigError("-a/--env-args: not valid JSON: objects or arrays nested too deeply") from None
     if not isinstance(parsed, dict):
         raise ConfigError(f"-a/--env-args: expected a JSON object of load_environment() arguments, got {value!r}")
     return parsed

@@ -14,20 +14,29 @@ process starts.
 
 from __future__ import annotations
 
+import ipaddress
 import math
+import os
 import re
+import stat
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from prime_rl import registry
+from prime_rl.settings import nesting_problem
 
 
 class StrictModel(BaseModel):
-    """Base for every config: unknown keys are errors, docstrings are the help text."""
+    """Base for every config: unknown keys are errors, docstrings are the help text, and no
+    float is `inf` or `nan` (TOML's `inf`, a flag's `--lr inf`): no setting spells "unbounded"
+    as infinity (None does that), and a non-finite temperature or learning rate would only
+    fail later, batch after batch."""
 
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=False)
+    model_config = ConfigDict(
+        extra="forbid", use_attribute_docstrings=True, validate_assignment=False, allow_inf_nan=False
+    )
 
 
 # --------------------------------------------------------------------------- environments
@@ -141,6 +150,11 @@ class EnvConfig(StrictModel):
     worker_timeout_s: float = Field(120.0, gt=0)
     """A worker process that sends nothing for this long (it sends a heartbeat every 2 s) is taken to hang: the run stops with an error naming the environment."""
 
+    @field_validator("args")
+    @classmethod
+    def _args_not_too_deep(cls, args: dict[str, Any]) -> dict[str, Any]:
+        return check_args_nesting(args)
+
     @model_validator(mode="after")
     def _known_environment(self) -> EnvConfig:
         check_environment_id(self.id, self.python)
@@ -154,9 +168,45 @@ class EnvConfig(StrictModel):
         return self.name or environment_name(self.id).split("/")[-1]
 
 
+def check_args_nesting(args: dict[str, Any]) -> dict[str, Any]:
+    """``load_environment`` arguments whose tables and lists nest no deeper than a config may
+    (what walks them later, the written config included, would hit Python's recursion limit)."""
+    problem = nesting_problem(args)
+    if problem:
+        raise ValueError(problem)
+    return args
+
+
+PSEUDO_FILESYSTEMS = (Path("/proc"), Path("/sys"), Path("/dev"))
+"""Kernel views, not prompts: `/proc/self/environ` reads as a file and holds the process's secrets."""
+
+
 def check_prompt_file(path: Path | None) -> None:
-    if path is not None and not Path(path).is_file():
-        raise ValueError(f"system_prompt_file: {str(path)!r} does not exist (expected a text file holding the system prompt)")
+    """A system prompt file must be a plain text file anyone could read: its text becomes every
+    example's system prompt (and goes into logs, rollouts and checkpoints of the run)."""
+    if path is None:
+        return
+    shown = f"system_prompt_file: {str(path)!r}"
+    path = Path(path)
+    if not path.exists():
+        raise ValueError(f"{shown} does not exist (expected a text file holding the system prompt)")
+    if path.is_dir():
+        raise ValueError(f"{shown} is a directory, expected a text file holding the system prompt")
+    resolved = path.resolve()
+    kernel = next((root for root in PSEUDO_FILESYSTEMS if resolved.is_relative_to(root)), None)
+    if kernel is not None:
+        raise ValueError(f"{shown} lies under {kernel}, a view of the system, not a prompt (expected a text file)")
+    if not resolved.is_file():
+        raise ValueError(f"{shown} is not a regular file (expected a text file holding the system prompt)")
+    mode = resolved.stat().st_mode
+    if os.geteuid() == 0 and not mode & stat.S_IROTH:
+        # root reads anything: a root-only file (/etc/shadow, a key) would be leaked into prompts
+        raise ValueError(
+            f"{shown} is readable only with root's privileges; make it world-readable (chmod a+r) "
+            "if it is meant as a prompt"
+        )
+    if not os.access(resolved, os.R_OK):
+        raise ValueError(f"{shown} is not readable by this user")
 
 
 def check_env_names(envs: list[EnvConfig]) -> None:
@@ -219,7 +269,11 @@ class WandbConfig(StrictModel):
 
 
 class TransportConfig(StrictModel):
-    """Rollout transport from orchestrator to trainer (ZeroMQ PUSH/PULL, msgpack frames)."""
+    """Rollout transport from orchestrator to trainer (ZeroMQ PUSH/PULL, msgpack frames),
+    encrypted and authenticated with ZeroMQ CURVE when the launcher's per-run keys are set."""
+
+    # Its own validation errors never echo a key (nested in a section, `format_validation_error` shows no dict input).
+    model_config = ConfigDict(**StrictModel.model_config, hide_input_in_errors=True)
 
     type: Literal["zmq"] = "zmq"
     """Transport kind; only ZeroMQ for now."""
@@ -1116,6 +1170,11 @@ class EvalRunConfig(StrictModel):
 
     target: EvalTarget | None = None
     """What `model` resolved to (set by `prime-rl eval` for the eval process)."""
+
+    @field_validator("args")
+    @classmethod
+    def _args_not_too_deep(cls, args: dict[str, Any]) -> dict[str, Any]:
+        return check_args_nesting(args)
 
     @model_validator(mode="after")
     def _consistent(self) -> EvalRunConfig:

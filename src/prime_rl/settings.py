@@ -25,16 +25,56 @@ class ConfigError(ValueError):
     """A config that must not start a run; the message is ready for the user."""
 
 
+MAX_CONFIG_DEPTH = 64
+"""Most levels of tables and arrays inside each other a config may have. Real configs go about
+five deep; far deeper input breaks what walks it recursively further on (tomllib's parser and
+pydantic's serializer after a few hundred levels, ``repr`` near 1,000) with a traceback instead
+of this one-line error."""
+
+
 def read_config_file(path: Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} not found")
+    kind = "JSON" if path.suffix == ".json" else "TOML"
     try:
-        if path.suffix == ".json":
-            return json.loads(path.read_text())
-        return tomllib.loads(path.read_text())
+        data = json.loads(path.read_text()) if path.suffix == ".json" else tomllib.loads(path.read_text())
     except (tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
-        raise ConfigError(f"{path}: not valid {'JSON' if path.suffix == '.json' else 'TOML'}: {e}") from None
+        raise ConfigError(f"{path}: not valid {kind}: {e}") from None
+    except RecursionError:  # both parsers recurse once per level of nesting
+        raise ConfigError(f"{path}: not valid {kind}: {_too_deep()}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a {kind} object of settings at the top level, got {type(data).__name__}")
+    check_nesting(data, str(path))
+    return data
+
+
+def check_nesting(data: Any, source: str) -> None:
+    """ConfigError when tables or arrays in ``data`` nest more than ``MAX_CONFIG_DEPTH`` deep."""
+    problem = nesting_problem(data)
+    if problem:
+        raise ConfigError(f"{source}: {problem}")
+
+
+def nesting_problem(data: Any) -> str | None:
+    """What is wrong when tables or arrays in ``data`` nest more than ``MAX_CONFIG_DEPTH``
+    levels deep (naming the first keys above the deep part, e.g. `env.0.args`), else None.
+    Walks iteratively: it must not recurse itself."""
+    stack: list[tuple[Any, int, tuple[str, ...]]] = [(data, 0, ())]
+    while stack:
+        value, depth, where = stack.pop()
+        if depth > MAX_CONFIG_DEPTH:
+            return f"`{'.'.join(where)}`: {_too_deep()}" if where else _too_deep()
+        named = (lambda key: (*where, str(key))) if len(where) < 3 else (lambda key: where)
+        if isinstance(value, dict):
+            stack.extend((v, depth + 1, named(k)) for k, v in value.items())
+        elif isinstance(value, list | tuple):
+            stack.extend((v, depth + 1, named(i)) for i, v in enumerate(value))
+    return None
+
+
+def _too_deep() -> str:
+    return f"tables or arrays nested more than {MAX_CONFIG_DEPTH} levels deep"
 
 
 def deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
@@ -70,6 +110,8 @@ def parse_flags(args: list[str]) -> dict[str, Any]:
                 value = json.loads(value)
             except json.JSONDecodeError:
                 pass
+            except RecursionError:
+                raise ConfigError(f"flag --{key}: {_too_deep()}") from None
         parts = [p.replace("-", "_") for p in key.split(".")]
         node = tree
         for part in parts[:-1]:
@@ -78,6 +120,7 @@ def parse_flags(args: list[str]) -> dict[str, Any]:
                 raise ConfigError(f"flag --{key} conflicts with an earlier flag")
         node[parts[-1]] = value
         i += 1
+    check_nesting(tree, "flags")  # `--a.a.a...` and JSON values alike
     return tree
 
 
@@ -85,7 +128,7 @@ def format_validation_error(error: ValidationError, source: str = "config") -> s
     lines = []
     seen: set[tuple[str, str]] = set()  # a shared field copied into sections fails once per copy
     for err in error.errors():
-        signature = (err["msg"], repr(err.get("input")))
+        signature = (err["msg"], _input_repr(err.get("input")))
         if signature in seen:
             continue
         seen.add(signature)
@@ -102,6 +145,13 @@ def format_validation_error(error: ValidationError, source: str = "config") -> s
             shown = "" if isinstance(given, dict | list) or not loc else f" (got {given!r})"
             lines.append(f"{source}: {key or 'config'}: {msg}{shown}")
     return "\n".join(lines)
+
+
+def _input_repr(given: Any) -> str:
+    try:
+        return repr(given)
+    except RecursionError:  # input nested too deeply to show: compare it by identity
+        return f"<{type(given).__name__} at {id(given):#x}>"
 
 
 def load_config(cls: type[M], files: list[Path], flags: list[str]) -> M:

@@ -22,8 +22,8 @@ The loop (``Environment``'s) then runs here:
 - each call runs (concurrently when a reply makes several; sync functions in a worker
   thread, so a slow tool never blocks other rollouts), and its result is appended as a
   ``tool`` message. A tool that raises, times out, is unknown, or gets arguments that are
-  not a JSON object or do not fit its signature returns ``Error: ...`` text to the model
-  instead: it is counted, never crashes the rollout;
+  not a JSON object (nested too deeply to parse included) or do not fit its signature
+  returns ``Error: ...`` text to the model instead: it is counted, never crashes the rollout;
 - a reply that holds the tool-call marker (``<tool_call>`` by default) but no parsable
   call gets an error message back and the episode goes on (``malformed_calls``).
 
@@ -212,12 +212,10 @@ class ToolEnv(MultiTurnEnv):
             return f"Error: unknown tool {name!r}; the tools are: {', '.join(self.tools)}"
         stats["calls"][name] = stats["calls"].get(name, 0) + 1
         try:
-            args = json.loads(raw) if isinstance(raw, str) else raw
-            if not isinstance(args, dict):
-                raise ValueError(f"expected a JSON object, got {type(args).__name__}")
+            args = _decode_arguments(raw)
         except ValueError as e:
             stats["malformed_calls"] += 1
-            return self._failed(stats, name, f"Error: the arguments of {name} are not a JSON object ({e}): {str(raw)[:200]}")
+            return self._failed(stats, name, f"Error: the arguments of {name} are not a JSON object ({e}): {_preview(raw)}")
         hidden = set(args) & set(self.skipped_args[name])
         if hidden:
             return self._failed(stats, name, f"Error: {name} takes no argument(s) {sorted(hidden)}")
@@ -277,8 +275,32 @@ class StatefulToolEnv(ToolEnv):
         )
 
 
+def _decode_arguments(raw: Any) -> dict[str, Any]:
+    """The model's arguments as a dict; ValueError (the model's mistake, told to it) when they
+    are not a JSON object. Nesting deeper than the parser's recursion limit (``[[[[...]]]]``
+    written by the model) is such a mistake too, not a crash of the rollout."""
+    try:
+        args = json.loads(raw) if isinstance(raw, str) else raw
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+    if not isinstance(args, dict):
+        raise ValueError(f"expected a JSON object, got {type(args).__name__}")
+    return args
+
+
+def _preview(raw: Any, limit: int | None = 200) -> str:
+    """The start of ``raw`` for an error message; never raises (``str`` of a deeply nested
+    object hits the recursion limit)."""
+    try:
+        return str(raw)[:limit]
+    except RecursionError:
+        return f"<a {type(raw).__name__} nested too deeply to show>"
+
+
 def _as_text(value: Any) -> str:
+    """A tool's non-string result as text: JSON where it encodes, else ``str``; a result nested
+    too deeply for either is named, not shown (the rollout goes on)."""
     try:
         return json.dumps(value, ensure_ascii=False)
-    except (TypeError, ValueError):
-        return str(value)
+    except (TypeError, ValueError, RecursionError):
+        return _preview(value, limit=None)
