@@ -23,6 +23,8 @@ import sys
 import textwrap
 import time
 import uuid
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -42,17 +44,22 @@ from prime_rl.config import (
 from prime_rl.deployment import Placement, PlacementError, count_gpus, describe, plan_single_node, process_specs, write_config
 from prime_rl.endpoints import Endpoint, load_endpoints
 from prime_rl.launcher import ProcessSpec, run, tmux_available
+from prime_rl.ports import Binding, port_problems, rl_bindings
 from prime_rl.resume import ResumeRefused, check_resumable, choose_resume_step, rewind
 from prime_rl.rundir import (
+    RUN_MARKER,
     checkpoints_dir,
     complete_steps,
     config_path,
+    is_marked_run,
     logs_dir,
     metrics_path,
+    output_dir_problem,
     rollouts_dir,
     weights_dir,
     weights_step_dir,
     write_json_atomic,
+    write_run_marker,
 )
 from prime_rl.settings import (
     ConfigError,
@@ -68,7 +75,7 @@ from prime_rl.settings import (
 LAUNCHER_FLAGS = {
     "--no-tmux": "run headless: one log file per process under RUN/logs/ (default when tmux is missing)",
     "--dry-run": "write each process's resolved config to RUN/configs/ and exit",
-    "--clean": "delete a previous run's weights, logs and metrics in the run directory first",
+    "--clean": "delete a previous run's weights, logs and metrics in the run directory first (only in a folder a prime-rl run marked: RUN/.prime-rl-run)",
     "--resume": "continue the run in output_dir from its newest complete checkpoint",
     "--resume-step N": "continue from checkpoint N (later weights, checkpoints and metrics rows are discarded)",
     "--slurm": "submit the run as a SLURM job from the config's [slurm] section (with --dry-run: print the sbatch script)",
@@ -107,48 +114,60 @@ def rl(argv: list[str]) -> int:
         return 0
     argv, resume_step = take_resume_step(argv)
     launcher_flags = {flag for flag in LAUNCHER_FLAGS if flag in argv}
+    dry_run, clean = "--dry-run" in launcher_flags, "--clean" in launcher_flags
     files, flags = split_argv([a for a in argv if a not in LAUNCHER_FLAGS])
     if not files:
         raise ConfigError("expected a config file: prime-rl CONFIG.toml [flags]")
     config = load_config(RLConfig, files, flags)
     checked_model_path(config.trainer.model.name, "trainer.model.name")
     checked_model_path(config.inference.model, "inference.model")
+    run_dir = checked_output_dir(config.trainer.output_dir, RL_OUTPUT_DIR, may_clean=True)
 
-    run_dir = Path(config.trainer.output_dir)
+    # Every check first: nothing in the run directory is deleted until all of them passed.
     resuming = "--resume" in launcher_flags or resume_step is not None
     if resuming:
-        if "--clean" in launcher_flags:
+        if clean:
             raise ConfigError("--clean and --resume contradict each other: start over or continue, not both")
-        step = prepare_resume(config, run_dir, resume_step, dry_run="--dry-run" in launcher_flags)
+        step, leftovers = prepare_resume(config, run_dir, resume_step), []
         print(f"[prime-rl] resuming {run_dir} from checkpoint step {step}", flush=True)
     else:
-        prepare_run_dir(run_dir, clean="--clean" in launcher_flags, dry_run="--dry-run" in launcher_flags)
-    if "--slurm" in launcher_flags:
-        return submit_slurm(config, run_dir, dry_run="--dry-run" in launcher_flags, tmux="--no-tmux" not in launcher_flags)
+        step, leftovers = None, check_run_dir(run_dir, clean, dry_run)
+    start = partial(start_run_dir, run_dir, leftovers, step)  # the last step before launch, never in a dry run
+
+    if "--slurm" in launcher_flags:  # its ports are bound on the job's nodes, not here
+        return submit_slurm(config, run_dir, dry_run=dry_run, tmux="--no-tmux" not in launcher_flags, start=start)
     gpus = count_gpus()
     placement = planned(config, gpus)
+    check_ports(config, placement, dry_run)
+    make_dir(run_dir, RL_OUTPUT_DIR)
     specs = process_specs(config, run_dir, placement)
     show_placement(config, placement, gpus)
-    if "--dry-run" in launcher_flags:
+    if dry_run:
         print(f"[prime-rl] resolved configs written to {run_dir / 'configs'}/")
         return 0
 
+    start()
     use_tmux = "--no-tmux" not in launcher_flags and tmux_available()
     workers = tuple(f"env-{env.metric_name}" for env in config.orchestrator.env if env.python is not None)
     return run(run_dir, specs, use_tmux, session_name=f"prime-rl-{run_dir.name}", follow=workers)
 
 
-def submit_slurm(config: RLConfig, run_dir: Path, dry_run: bool, tmux: bool) -> int:
-    """Render the job script into RUN/slurm/ and submit it (print it with --dry-run)."""
+def submit_slurm(config: RLConfig, run_dir: Path, dry_run: bool, tmux: bool, start: Callable[[], None]) -> int:
+    """Render the job script into RUN/slurm/ and submit it (print it with --dry-run); ``start``
+    prepares the run directory just before the submission."""
     from prime_rl import slurm
 
     if config.slurm is None:
         raise ConfigError("--slurm: the config has no [slurm] section (nodes, gpus_per_node, partition, ...)")
+    make_dir(run_dir, RL_OUTPUT_DIR)
     _, script = slurm.prepare(config, run_dir, tmux=tmux)
     if dry_run:
         print(script.read_text(), end="")
         print(f"[prime-rl] sbatch script written to {script} (not submitted)", flush=True)
         return 0
+    if shutil.which("sbatch") is None:  # checked here too: nothing is deleted before the submission can work
+        raise ConfigError("--slurm: `sbatch` is not on PATH (is this a SLURM login node?)")
+    start()
     job_id = slurm.submit(script)
     for line in slurm.how_to_follow(config, run_dir, job_id):
         print(f"[prime-rl] {line}", flush=True)
@@ -192,8 +211,9 @@ def take_resume_step(argv: list[str]) -> tuple[list[str], int | None]:
     return rest, step
 
 
-def prepare_resume(config: RLConfig, run_dir: Path, requested: int | None, dry_run: bool) -> int:
-    """Pick and check the checkpoint, point every process at it, rewind the run directory."""
+def prepare_resume(config: RLConfig, run_dir: Path, requested: int | None) -> int:
+    """Pick and check the checkpoint and point every process at it (``start_run_dir`` rewinds
+    the run directory to it, once every other check passed too)."""
     try:
         step = choose_resume_step(run_dir, requested)
         check_resumable(run_dir, step, config.trainer.max_steps)
@@ -206,9 +226,6 @@ def prepare_resume(config: RLConfig, run_dir: Path, requested: int | None, dry_r
     if config.trainer.lora is None:
         config.inference.served_model_name = config.inference.served_model_name or config.inference.model
         config.inference.model = str(weights_step_dir(run_dir, step))
-    if not dry_run:
-        for line in rewind(run_dir, step):
-            print(f"[prime-rl] resume: removed {line}", flush=True)
     return step
 
 
@@ -219,25 +236,82 @@ def checked_model_path(name: str, field: str) -> None:
         raise ConfigError(str(e)) from None
 
 
-def prepare_run_dir(run_dir: Path, clean: bool, dry_run: bool) -> None:
-    """Refuse to mix two runs in one directory unless asked to start over."""
-    state = (
+RL_OUTPUT_DIR = "trainer.output_dir (--output-dir)"
+OUTPUT_DIR = "output_dir (--output-dir)"
+
+
+def checked_output_dir(path: Path, field: str, may_clean: bool = False) -> Path:
+    """``path`` if it can hold a run: not a file, not under /proc, /sys or /dev, not `/`; with
+    ``may_clean`` (an RL run's, which `--clean` empties) not the home folder, the project root
+    or a folder above them either."""
+    problem = output_dir_problem(path, may_clean)
+    if problem is not None:
+        raise ConfigError(f"{field}: {problem}")
+    return Path(path)
+
+
+def make_dir(path: Path, field: str) -> None:
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"{field}: cannot create the folder {str(path)!r} ({e.strerror or e})") from None
+
+
+def run_state(run_dir: Path) -> tuple[Path, ...]:
+    """What a run leaves in its directory, and `--clean` deletes (configs/ is rewritten anyway)."""
+    return (
         weights_dir(run_dir), checkpoints_dir(run_dir), rollouts_dir(run_dir), metrics_path(run_dir), logs_dir(run_dir),
         run_dir / "wandb",  # W&B run ids: a fresh run starts fresh W&B runs
     )
-    leftovers = [p for p in state if p.exists()]
-    if leftovers and not dry_run:
-        if not clean:
-            raise ConfigError(
-                f"output_dir {str(run_dir)!r} holds a previous run ({', '.join(p.name for p in leftovers)}); "
-                "pass --resume to continue it, --clean to start over, or choose another --output-dir"
-            )
-        for path in leftovers:
-            if path.is_dir():
-                shutil.rmtree(path)
-            else:
-                path.unlink()
-    run_dir.mkdir(parents=True, exist_ok=True)
+
+
+def check_run_dir(run_dir: Path, clean: bool, dry_run: bool) -> list[Path]:
+    """Refuse to mix two runs in one directory unless asked to start over, and to start over in
+    one that no prime-rl run marked as its own; returns what ``--clean`` is to delete."""
+    leftovers = [p for p in run_state(run_dir) if p.exists()]
+    if not leftovers or (dry_run and not clean):
+        return []
+    names = ", ".join(p.name for p in leftovers)
+    if not clean:
+        raise ConfigError(
+            f"output_dir {str(run_dir)!r} holds a previous run ({names}); "
+            "pass --resume to continue it, --clean to start over, or choose another --output-dir"
+        )
+    if not is_marked_run(run_dir):
+        raise ConfigError(
+            f"--clean: output_dir {str(run_dir)!r} was not made by a prime-rl run (no {RUN_MARKER} marker), so its "
+            f"{names} stay; a run started before prime-rl wrote that marker has none either: delete it yourself, "
+            "continue it with --resume (which marks it), or choose another --output-dir"
+        )
+    return leftovers
+
+
+def start_run_dir(run_dir: Path, leftovers: list[Path], resume_step: int | None) -> None:
+    """The last step before launch: delete what --clean starts over from, or rewind to the resumed
+    checkpoint, then mark the directory as a run's. A resumed run keeps its marker; one made
+    before the marker existed gets it now (its complete checkpoint shows a prime-rl run made it)."""
+    for path in leftovers:
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+    if resume_step is not None:
+        for line in rewind(run_dir, resume_step):
+            print(f"[prime-rl] resume: removed {line}", flush=True)
+    if resume_step is None or not is_marked_run(run_dir):
+        write_run_marker(run_dir, kind="rl")
+
+
+def check_ports(config: RLConfig, placement: Placement, dry_run: bool) -> None:
+    """Every port the run binds must be free; a dry run only warns (the port may be freed by the
+    time the run starts, e.g. by the run that holds it now)."""
+    problems = port_problems(rl_bindings(config, placement))
+    if not problems:
+        return
+    if not dry_run:
+        raise ConfigError("\n".join(problems))
+    for line in problems:
+        print(f"[prime-rl] warning: {line} (the run itself would stop here)", file=sys.stderr, flush=True)
 
 
 # --------------------------------------------------------------------------- sft
@@ -252,9 +326,9 @@ def sft(argv: list[str]) -> int:
     checked_model_path(config.model.name, "model.name")
     if not config.data.path.is_file():
         raise ConfigError(f"data.path: SFT data file {str(config.data.path)!r} does not exist (expected JSONL of chats)")
-    out = Path(config.output_dir)
+    out = checked_output_dir(config.output_dir, OUTPUT_DIR)
     resolved = out / "configs" / "sft.json"
-    resolved.parent.mkdir(parents=True, exist_ok=True)
+    make_dir(resolved.parent, OUTPUT_DIR)
     write_json_atomic(resolved, config.model_dump(mode="json"))
     cmd = [sys.executable, "-m", "trainer.sft", "--config", str(resolved)]
     try:
@@ -329,11 +403,7 @@ def gepa(argv: list[str]) -> int:
     config = load_run_config(GepaRunConfig, argv, GEPA_OPTIONS, "env", GEPA_USAGE)
     config.target = resolve_eval_target(config)
     config.reflection_target = resolve_reflection_target(config)
-    config.run_id = config.run_id or f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
-    run_dir = config.output_dir / "runs" / config.run_id
-    if run_dir.exists():
-        raise ConfigError(f"run_id: {str(run_dir)!r} exists already; choose another run_id or leave it unset")
-    config.inference.output_dir = run_dir
+    run_dir = new_run_dir(config)
     return run(run_dir, served_process_specs(config, run_dir, "gepa", "orchestrator.gepa"), use_tmux=False,
                session_name="", exit_code_from="gepa")
 
@@ -376,12 +446,20 @@ def evaluate(argv: list[str]) -> int:
         return 0
     config = load_eval_config(argv)
     config.target = resolve_eval_target(config)
+    run_dir = new_run_dir(config)
+    return run(run_dir, eval_process_specs(config, run_dir), use_tmux=False, session_name="", exit_code_from="eval")
+
+
+def new_run_dir(config: EvalRunConfig | GepaRunConfig) -> Path:
+    """OUTPUT_DIR/runs/<run_id>, created; a run id already used is refused."""
+    output_dir = checked_output_dir(config.output_dir, OUTPUT_DIR)
     config.run_id = config.run_id or f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
-    run_dir = config.output_dir / "runs" / config.run_id
+    run_dir = output_dir / "runs" / config.run_id
     if run_dir.exists():
         raise ConfigError(f"run_id: {str(run_dir)!r} exists already; choose another run_id or leave it unset")
+    make_dir(run_dir, OUTPUT_DIR)
     config.inference.output_dir = run_dir
-    return run(run_dir, eval_process_specs(config, run_dir), use_tmux=False, session_name="", exit_code_from="eval")
+    return run_dir
 
 
 def load_eval_config(argv: list[str]) -> EvalRunConfig:
@@ -496,6 +574,8 @@ def resolve_eval_target(config: EvalRunConfig | GepaRunConfig) -> EvalTarget:
         inference.lora_modules = {config.model: str(Path(config.model).resolve())}
     if "port" not in inference.model_fields_set:
         inference.port = free_port(inference.host)
+    elif problems := port_problems([Binding(inference.host, inference.port, "inference.port")]):
+        raise ConfigError(problems[0])
     config.client.base_url = f"http://{inference.host}:{inference.port}"
     config.client.api_key = inference.api_key
     entries = config.eval if isinstance(config, EvalRunConfig) else config.env

@@ -204,3 +204,80 @@ def write_json_atomic(path: Path, data: dict, private: bool = False) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+# --------------------------------------------------------------------------- the run marker
+
+RUN_MARKER = ".prime-rl-run"
+"""``RUN/.prime-rl-run``: written by the launcher when a run starts, after every check passed.
+`--clean` deletes a directory's run state only when this marker says a prime-rl run made it."""
+
+
+def run_marker_path(run: Path) -> Path:
+    return Path(run) / RUN_MARKER
+
+
+def is_marked_run(run: Path) -> bool:
+    return run_marker_path(run).is_file()
+
+
+def write_run_marker(run: Path, kind: str = "rl", **extra) -> Path:
+    """Mark ``run`` as a prime-rl run directory (JSON: kind, created time, host, pid), atomically."""
+    import socket
+    import time
+
+    path = run_marker_path(run)
+    data = {"kind": kind, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "hostname": socket.gethostname(),
+            "pid": os.getpid(), **extra}
+    write_json_atomic(path, data)
+    return path
+
+
+# Folders that are never a run directory: the system's pseudo-filesystems (a write there
+# fails oddly, or worse, succeeds) and folders whose deletion would be a disaster.
+_SYSTEM_TREES = (Path("/proc"), Path("/sys"), Path("/dev"))
+
+
+def output_dir_problem(path: Path, may_clean: bool = True) -> str | None:
+    """Why ``path`` cannot be a run's output directory, or None when it can. Refused: a file (or
+    a path inside one), anything under /proc, /sys or /dev, and `/`; with ``may_clean`` (a
+    directory `--clean` may empty) also the home folder, the project root and every folder
+    above them."""
+    path = Path(path)
+    resolved = path.resolve()
+    for tree in _SYSTEM_TREES:
+        if resolved == tree or tree in resolved.parents:
+            return f"{str(path)!r} is under {tree}; expected a folder for the run's files, e.g. outputs/run"
+    if resolved.exists() and not resolved.is_dir():
+        return f"{str(path)!r} is a file; expected a folder (existing or to be created) for the run's files"
+    existing = next((p for p in resolved.parents if p.exists()), None)
+    if existing is not None and not existing.is_dir():
+        return f"{str(path)!r} lies inside {str(existing)!r}, which is a file; expected a folder for the run's files"
+    if resolved == Path(resolved.anchor):
+        return f"{str(path)!r} is the filesystem root; choose a folder of its own for the run, e.g. outputs/run"
+    for name, protected in _protected_dirs() if may_clean else ():
+        if resolved == protected or resolved in protected.parents:
+            what = name if resolved == protected else f"a folder above {name} {protected}"
+            return f"{str(path)!r} is {what}; choose a folder of its own for the run, e.g. outputs/run"
+    return None
+
+
+def _protected_dirs() -> list[tuple[str, Path]]:
+    """(what, folder): the home folder, this checkout of prime-rl, and the project the command
+    runs in (the nearest folder above the working directory holding pyproject.toml or .git)."""
+    dirs = []
+    try:
+        dirs.append(("the home folder", Path.home().resolve()))
+    except RuntimeError:  # no home folder known (HOME unset, no passwd entry)
+        pass
+    checkout = Path(__file__).resolve().parents[2]
+    if (checkout / "pyproject.toml").is_file():
+        dirs.append(("the project root", checkout))
+    try:
+        cwd = Path.cwd().resolve()
+    except OSError:  # the working directory was deleted
+        return dirs
+    project = next((p for p in (cwd, *cwd.parents) if (p / "pyproject.toml").exists() or (p / ".git").exists()), None)
+    if project is not None and project != Path("/"):
+        dirs.append(("the project root", project))
+    return dirs
