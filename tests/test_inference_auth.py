@@ -1,26 +1,31 @@
 """The inference server's API key on every route (inference.auth): the middleware alone on a
-tiny ASGI app, how inference.server wires it into vLLM, and one real vLLM server."""
+tiny ASGI app, its identity proof and the client that waits for it before sending the key,
+how inference.server wires it into vLLM, and one real vLLM server."""
 
 import asyncio
+import contextlib
 import json
 import math
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
 import pytest
+import uvicorn
 from prime_rl.config import ClientConfig, InferenceConfig
+from prime_rl.keys import IDENTITY_PATH, new_nonce, proves_identity
 from starlette.testclient import TestClient
 from starlette.websockets import WebSocketDisconnect
 
 from inference.auth import API_KEY_ENV, RequireApiKey
 from inference.server import vllm_command, vllm_env
-from orchestrator.client import InferenceClient
+from orchestrator.client import InferenceClient, InferenceError
 
-from helpers import free_port, new_tag, tagged_processes
+from helpers import REPO, free_port, new_tag, tagged_processes
 
 KEY = "sekret"
 ADMIN_ROUTES = ["/collective_rpc", "/pause", "/resume", "/reset_prefix_cache"]
@@ -69,6 +74,92 @@ def test_websockets_need_the_key_too(guarded):
     with guarded.websocket_connect("/v1/realtime", headers={"Authorization": f"Bearer {KEY}"}) as ws:
         with pytest.raises(WebSocketDisconnect):
             ws.receive_text()  # the app accepted, then closed normally
+
+
+def test_the_identity_route_proves_the_key_without_it(guarded):
+    """The one route open without the key: an HMAC of the client's nonce, which only a holder
+    of the key can compute (prime_rl.keys); a malformed or oversized nonce is refused."""
+    nonce = new_nonce()
+    response = guarded.get(IDENTITY_PATH, params={"nonce": nonce})
+    assert response.status_code == 200 and proves_identity(KEY, nonce, response.json())
+    assert not proves_identity("other-key", nonce, response.json())
+    assert KEY not in response.text
+    for params in ({}, {"nonce": "zz" * 32}, {"nonce": "ab" * 8 + "a"}, {"nonce": "ab" * 65}, [("nonce", nonce), ("nonce", nonce)]):
+        assert guarded.get(IDENTITY_PATH, params=params).status_code == 400, params
+    assert guarded.post(IDENTITY_PATH, params={"nonce": nonce}).status_code == 400
+    assert guarded.get(IDENTITY_PATH + "/x", params={"nonce": nonce}).status_code == 401
+
+
+@contextlib.contextmanager
+def served(app):
+    """``app`` on a free port, served by uvicorn in a thread; yields its URL."""
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+@pytest.mark.parametrize("client_key", [KEY, "not-the-servers-key"])
+def test_the_client_sends_the_key_only_after_the_middleware_proved_it_holds_it(monkeypatch, client_key):
+    """The real middleware over HTTP: the client's first request (the identity challenge)
+    goes without the key; with the right key the server proves itself, and /health, the
+    reload and the prefix-cache reset then carry the key and succeed. A client holding
+    another key finds the proof wrong and sends its key nowhere."""
+    monkeypatch.setenv(API_KEY_ENV, KEY)
+    seen = []
+    middleware = RequireApiKey(ok_app)
+
+    async def recorded(scope, receive, send):
+        if scope["type"] == "http":
+            seen.append((scope["path"], dict(scope["headers"]).get(b"authorization")))
+        await middleware(scope, receive, send)
+
+    async def start_and_reload(url):
+        client = InferenceClient(ClientConfig(base_url=url, api_key=client_key, timeout_s=10), "tiny")
+        try:
+            await client.wait_healthy(timeout_s=10, poll_s=0.05)
+            await client.reload_weights("/tmp/weights")
+        finally:
+            await client.close()
+
+    with served(recorded) as url:
+        if client_key == KEY:
+            asyncio.run(start_and_reload(url))
+            bearer = f"Bearer {KEY}".encode()
+            assert seen == [(IDENTITY_PATH, None), ("/health", bearer), ("/collective_rpc", bearer), ("/reset_prefix_cache", bearer)]
+        else:
+            with pytest.raises(InferenceError, match="its identity proof is wrong"):
+                asyncio.run(start_and_reload(url))
+            assert seen == [(IDENTITY_PATH, None)]
+
+
+def test_the_launcher_prints_no_key_and_writes_it_to_private_configs_only(tmp_path):
+    """`prime-rl --dry-run` with a key: the placement it prints never shows the key, and of
+    the resolved configs only the owner can read those that hold it (the processes read it
+    from there)."""
+    import stat
+
+    key = "launcher-key-" + new_nonce()[:12]
+    out = subprocess.run(
+        [sys.executable, "-m", "prime_rl.cli", "configs/wiki-search.toml", "--dry-run", "--output-dir", str(tmp_path / "run"),
+         "--inference.api-key", key],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert key not in out.stdout + out.stderr
+    configs = list((tmp_path / "run" / "configs").glob("*.json"))
+    holding = {p.name for p in configs if key in p.read_text()}
+    assert {"orchestrator.json", "inference-0.json"} <= holding, holding
+    assert all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in configs if p.name in holding)
 
 
 def test_lifespan_events_reach_the_app(monkeypatch):

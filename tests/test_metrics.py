@@ -1,5 +1,6 @@
 """Metrics sinks: JSONL rows, a failing sink switched off, one W&B run kept across a resume."""
 
+import json
 import types
 
 from prime_rl.config import WandbConfig
@@ -50,3 +51,30 @@ def test_a_failing_sink_is_switched_off_and_training_goes_on(tmp_path, capsys):
     metrics.log(1, {"x": 2.0})
     assert [r["step"] for r in rows] == [0, 1]
     assert capsys.readouterr().err.count("metrics sink Broken failed and is disabled: disk full") == 1
+
+
+def test_secrets_stay_out_of_the_wandb_config_and_the_metrics_rows(tmp_path, monkeypatch):
+    """The process's config goes to W&B with every key redacted, in any section and any
+    spelling (`api_key`, a transport's `curve_secret_key`, an env's `hf_token`), while
+    look-alikes (`max_tokens`, `tokenizer`, `api_key_var`, the name of a variable) stay."""
+    fake = FakeWandb()
+    monkeypatch.setitem(__import__("sys").modules, "wandb", fake)
+    secrets = ["sk-inference-123", "curve-secret-456", "hf-token-789", "pw-000"]
+    settings = {
+        "api_key": secrets[0],
+        "client": {"api_key": secrets[0], "max_tokens": 8, "api_key_var": "OPENAI_API_KEY"},
+        "transport": {"curve_secret_key": secrets[1], "curve_public_key": "pub", "host": "127.0.0.1"},
+        "env": [{"env_args": {"hf_token": secrets[2], "judge": {"password": secrets[3]}}, "tokenizer": "tiny"}],
+        "unset": {"api_key": None},
+    }
+    metrics = make_metrics("orchestrator", tmp_path, (), WandbConfig(project="p", mode="offline"), settings)
+    metrics.log(0, {"reward/mean": 0.5})
+    metrics.close()
+    sent = json.dumps(fake.inits[0]["config"])
+    assert not [s for s in secrets if s in sent], sent
+    config = fake.inits[0]["config"]
+    assert config["client"] == {"api_key": "<redacted>", "max_tokens": 8, "api_key_var": "OPENAI_API_KEY"}
+    assert config["env"][0]["tokenizer"] == "tiny" and config["unset"] == {"api_key": None}
+    assert settings["api_key"] == secrets[0], "the caller's settings are left alone"
+    rows = metrics_path(tmp_path).read_text()
+    assert "reward/mean" in rows and not [s for s in secrets if s in rows]

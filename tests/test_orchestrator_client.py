@@ -1,6 +1,7 @@
 """InferenceClient against the fake vLLM server: parsing, request fields, admin recipe."""
 
 import asyncio
+import http.server
 import threading
 import time
 
@@ -64,16 +65,109 @@ def test_max_tokens_cut_reports_length():
     assert (result.completion_ids, result.finish_reason) == ([*b"cb"], "length")
 
 
-def test_api_key_is_sent_as_bearer_on_every_route():
-    """/health too: the server's middleware guards every route (inference.auth)."""
+async def health_then_complete(client):
+    await client.wait_healthy(timeout_s=2, poll_s=0.05)
+    await complete(client, max_tokens=4, temperature=1.0)
 
-    async def health_then_complete(client):
-        await client.wait_healthy(timeout_s=2)
-        await complete(client, max_tokens=4, temperature=1.0)
+
+def test_api_key_is_sent_as_bearer_on_every_route_once_the_server_proved_it_holds_it():
+    """The identity challenge goes without the key; then /health too carries it (the
+    server's middleware guards every route, inference.auth)."""
+    with FakeInferenceServer(api_key="secret") as server:
+        run_with_client(server, health_then_complete, api_key="secret")
+    assert server.auth_headers == [None, "Bearer secret", "Bearer secret"]
+    assert [path for _, path, _ in server.calls] == ["/health", "/v1/completions"]
+
+
+class Stranger(http.server.ThreadingHTTPServer):
+    """Another program on the port: answers every request with ``status`` (a body of "ok")
+    and records the headers it was sent."""
+
+    def __init__(self, status: int):
+        self.status, self.seen = status, []
+        stranger = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802
+                stranger.seen.append((self.path, dict(self.headers)))
+                self.send_response(stranger.status)
+                self.send_header("Content-Length", "2")
+                self.end_headers()
+                self.wfile.write(b"ok")
+
+            do_POST = do_GET  # noqa: N815
+
+            def log_message(self, *args):
+                pass
+
+        super().__init__(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server_address[1]}"
+        threading.Thread(target=self.serve_forever, args=(0.02,), daemon=True).start()
+
+
+@pytest.mark.parametrize("status", [200, 404, 401])
+def test_the_key_never_goes_to_another_program_on_the_port(status):
+    """Whatever a stranger on the port answers (200 to everything, 404, 401), the start-up
+    wait fails at once, in one line naming the port, and no request carried the key."""
+    stranger = Stranger(status)
+    try:
+        with pytest.raises(InferenceError) as e:
+            run_with_client(stranger, health_then_complete, api_key="secret")
+    finally:
+        stranger.shutdown()
+        stranger.server_close()
+    message = str(e.value)
+    assert message.startswith(f"something else answers on {stranger.url.removeprefix('http://')}, not this run's"), message
+    assert len(message.splitlines()) == 1 and "secret" not in message
+    assert stranger.seen and all(path.startswith("/prime-rl/identity?nonce=") for path, _ in stranger.seen)
+    assert not any(k.lower() == "authorization" for _, headers in stranger.seen for k in headers), stranger.seen
+
+
+def test_a_wrong_identity_proof_gets_no_key():
+    with FakeInferenceServer(api_key="secret", wrong_proof=True) as server:
+        with pytest.raises(InferenceError, match="its identity proof is wrong"):
+            run_with_client(server, health_then_complete, api_key="secret")
+        with pytest.raises(InferenceError, match="its identity proof is wrong"):  # a request without a wait, too
+            run_with_client(server, lambda c: complete(c, max_tokens=4), api_key="secret")
+    assert server.auth_headers == [None, None] and server.calls == []
+
+
+def test_a_replica_that_went_away_proves_itself_again():
+    """A refused connection: the port may change hands, so the next request re-asks the proof
+    (of whatever listens there now) before the key goes out again."""
+    port = free_port()
+
+    async def go():
+        client = InferenceClient(ClientConfig(base_url=f"http://127.0.0.1:{port}", api_key="secret", timeout_s=5, max_retries=0), "tiny")
+        try:
+            with FakeInferenceServer(port=port, api_key="secret") as first:
+                await complete(client, max_tokens=4)
+            await asyncio.sleep(2.1)  # past the pool's keep-alive expiry: the next request connects anew
+            with pytest.raises(InferenceError, match="ConnectError"):
+                await complete(client, max_tokens=4)
+            with FakeInferenceServer(port=port, api_key="secret") as second:
+                await complete(client, max_tokens=4)
+        finally:
+            await client.close()
+        return first, second
+
+    first, second = asyncio.run(go())
+    assert first.auth_headers == second.auth_headers == [None, "Bearer secret"]
+
+
+def test_an_endpoint_key_goes_with_every_request():
+    """An external endpoint's key (own_server=False) is meant for its URL: no challenge."""
+
+    async def go(server):
+        client = InferenceClient(ClientConfig(base_url=server.url, api_key="sk-endpoint", timeout_s=5), "tiny", own_server=False)
+        try:
+            await complete(client, max_tokens=4)
+        finally:
+            await client.close()
 
     with FakeInferenceServer() as server:
-        run_with_client(server, health_then_complete, api_key="secret")
-    assert server.auth_headers == ["Bearer secret"] * 2
+        asyncio.run(go(server))
+    assert server.auth_headers == ["Bearer sk-endpoint"]
 
 
 def slow_responder_tracking_peak():

@@ -16,6 +16,14 @@ With several replicas (one URL each in ``ClientConfig.base_url``) a request goes
 one with the fewest generation requests in flight, under one concurrency cap over all of
 them, and the admin calls (health, reload, probe) go to every replica, concurrently.
 
+The API key goes only to a server that proved it holds it: for a server this run started
+(``own_server``, the default) each replica first answers the identity challenge of
+``prime_rl.keys`` without the key, and only then gets the key on its requests, /health
+included. Something else on the port (any other answer) never sees the key, and the start-up
+wait fails naming it. A replica whose port stops accepting connections must prove itself
+again before the next request (the port may have changed hands). An external endpoint's key
+(``own_server=False``) is meant for whoever answers at its URL and is sent from the start.
+
 The client knows nothing about environments, steps or the run directory.
 """
 
@@ -27,13 +35,15 @@ import json
 import math
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
+from urllib.parse import urlsplit
 
 import httpx
 from prime_rl.config import ClientConfig
 from prime_rl.envs import ToolCall
+from prime_rl.keys import IDENTITY_PATH, new_nonce, proves_identity
 
 # /reset_prefix_cache answers 200 with {"success": false} while KV blocks are still held;
 # vLLM's docs say to retry. After /pause?mode=wait nothing runs, so a few tries suffice.
@@ -94,14 +104,24 @@ class Replica:
     requests: int = 0
     """Generation requests sent here so far (the metrics' `inference/requests/<index>`)."""
 
+    trusted: bool = False
+    """It proved it holds the key (identity challenge): its requests carry the key."""
+
+    identity_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    """One identity challenge at a time, whatever the number of requests waiting on it."""
+
 
 class InferenceClient:
-    def __init__(self, config: ClientConfig, model_name: str, lora_adapter: str | None = None):
+    def __init__(self, config: ClientConfig, model_name: str, lora_adapter: str | None = None, *, own_server: bool = True):
         self.config = config
         self.model_name = model_name
         """The model requests name: the served model, or once one is loaded, the LoRA adapter."""
         self.lora_adapter = lora_adapter
-        self.replicas = [Replica(i, url, _http_client(url, config)) for i, url in enumerate(config.urls)]
+        self.prove_first = bool(config.api_key) and own_server
+        """Each replica must prove it holds the key before it gets it (a server this run
+        started); False: the key goes on every request from the start (an endpoint's key)."""
+        with_key = bool(config.api_key) and not self.prove_first
+        self.replicas = [Replica(i, url, _http_client(url, config, with_key)) for i, url in enumerate(config.urls)]
         self.base_url = self.replicas[0].url
         """The first replica's URL (the only one, outside multi-replica RL runs)."""
         self._slots = asyncio.Semaphore(config.max_concurrency)
@@ -208,7 +228,9 @@ class InferenceClient:
     # ----------------------------------------------------------------------- admin
 
     async def wait_healthy(self, timeout_s: float, poll_s: float = 0.5) -> None:
-        """Poll every replica's GET /health until each answers 200 (they may still be starting)."""
+        """Poll every replica's GET /health until each answers 200 (they may still be starting).
+        With ``prove_first``, each replica first answers the identity challenge, without the key;
+        a replica that answers it wrongly (another program on the port) fails the wait at once."""
         deadline = time.monotonic() + timeout_s
         await self._on_every_replica(lambda replica: self._wait_replica_healthy(replica, deadline, timeout_s, poll_s))
 
@@ -238,9 +260,11 @@ class InferenceClient:
 
     async def _wait_replica_healthy(self, replica: Replica, deadline: float, timeout_s: float, poll_s: float) -> None:
         last = "no answer"
+        timeout = min(poll_s * 10, self.config.timeout_s)
         while True:
             try:
-                response = await replica.http.get("/health", timeout=min(poll_s * 10, self.config.timeout_s))
+                await self._ensure_trusted(replica, timeout)
+                response = await replica.http.get("/health", timeout=timeout)
                 if response.status_code == 200:
                     return
                 last = f"status {response.status_code}"
@@ -346,6 +370,32 @@ class InferenceClient:
             "the server would serve KV computed with the old weights"
         )
 
+    # ----------------------------------------------------------------------- the key
+
+    async def _ensure_trusted(self, replica: Replica, timeout: float | None = None) -> None:
+        """Return once ``replica`` may get the key: it answered the identity challenge (asked
+        without the key). Raises InferenceError when something else answers; transport
+        errors (nothing listening yet) propagate for the caller to retry."""
+        if not self.prove_first or replica.trusted:
+            return
+        async with replica.identity_lock:
+            if replica.trusted:
+                return
+            nonce = new_nonce()
+            response = await replica.http.get(IDENTITY_PATH, params={"nonce": nonce}, timeout=timeout or self.config.timeout_s)
+            why = _identity_failure(response, self.config.api_key, nonce)
+            if why is not None:
+                raise InferenceError(not_this_run(replica.url, why))
+            replica.http.headers["Authorization"] = f"Bearer {self.config.api_key}"
+            replica.trusted = True
+
+    def _forget_trust(self, replica: Replica) -> None:
+        """Nothing accepts connections on the replica's port any more: whatever comes back
+        there must prove itself again before it gets the key."""
+        if self.prove_first:
+            replica.trusted = False
+            replica.http.headers.pop("Authorization", None)
+
     # ----------------------------------------------------------------------- plumbing
 
     async def _post(
@@ -380,10 +430,13 @@ class InferenceClient:
         for attempt in range(self.config.max_retries + 1):
             last = attempt == self.config.max_retries
             try:
+                await self._ensure_trusted(replica)
                 response = await replica.http.post(path, **kwargs)
                 if response.status_code not in TRANSIENT_STATUS or last:
                     return response
             except httpx.TransportError as e:  # connect/read/write errors and timeouts
+                if isinstance(e, httpx.ConnectError):
+                    self._forget_trust(replica)
                 if last or not (resend_unanswered or isinstance(e, httpx.ConnectError)):
                     raise
             self.retries += 1
@@ -391,10 +444,11 @@ class InferenceClient:
         raise AssertionError("unreachable")
 
 
-def _http_client(url: str, config: ClientConfig) -> httpx.AsyncClient:
-    """Connections to one replica; the key goes on every request, /health included (the
-    server's middleware guards every route, inference.auth)."""
-    headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+def _http_client(url: str, config: ClientConfig, with_key: bool) -> httpx.AsyncClient:
+    """Connections to one replica; ``with_key``: the key on every request from the start (else
+    it is added once the replica proved it holds it; the server's middleware then wants it
+    on every route, /health included, inference.auth)."""
+    headers = {"Authorization": f"Bearer {config.api_key}"} if with_key else {}
     return httpx.AsyncClient(
         base_url=url,
         headers=headers,
@@ -408,6 +462,36 @@ def _http_client(url: str, config: ClientConfig) -> httpx.AsyncClient:
             keepalive_expiry=2.0,
         ),
     )
+
+
+def _identity_failure(response: httpx.Response, key: str, nonce: str) -> str | None:
+    """None when ``response`` (to the identity challenge ``nonce``) proves knowledge of ``key``,
+    else what was wrong with it."""
+    if response.status_code != 200:
+        return f"it answers the identity check with status {response.status_code}"
+    try:
+        answer = response.json()
+    except ValueError:
+        return "it answers the identity check with something other than JSON"
+    return None if proves_identity(key, nonce, answer) else "its identity proof is wrong"
+
+
+def not_this_run(url: str, why: str) -> str:
+    host = urlsplit(url).netloc or url
+    return f"something else answers on {host}, not this run's inference server ({why}); the API key was not sent to it"
+
+
+def check_identity(url: str, key: str, timeout_s: float) -> None:
+    """The identity challenge, synchronously (gepa's teacher): returns once the server at
+    ``url`` proved it holds ``key``; raises InferenceError when something else answers there."""
+    nonce = new_nonce()
+    try:
+        response = httpx.get(url + IDENTITY_PATH, params={"nonce": nonce}, timeout=timeout_s)
+    except httpx.TransportError as e:
+        raise InferenceError(f"the inference server at {url} did not answer: {type(e).__name__}: {e}") from None
+    why = _identity_failure(response, key, nonce)
+    if why is not None:
+        raise InferenceError(not_this_run(url, why))
 
 
 def _prompt_logprob_sum(payload: dict[str, Any], url: str) -> float:

@@ -99,7 +99,9 @@ def setup(argv: list[str]) -> tuple[EvalRunConfig, list[tuple[EvalEnvConfig, Env
 
 
 def make_client(client_cfg: ClientConfig, target: EvalTarget) -> InferenceClient:
-    return InferenceClient(with_api_key(client_cfg, target), target.model)
+    """A local server (one this run started) gets the key only once it proved it holds it;
+    an endpoint's key is meant for whoever answers at the endpoint's URL."""
+    return InferenceClient(with_api_key(client_cfg, target), target.model, own_server=target.type == "local")
 
 
 def with_api_key(client_cfg: ClientConfig, target: EvalTarget) -> ClientConfig:

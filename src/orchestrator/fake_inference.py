@@ -16,6 +16,10 @@ without a model. Lets the orchestrator (or anyone) run without vLLM.
   hermes does (`<tool_call>{"name": ..., "arguments": ...}</tool_call>`).
 - ``GET /health``, ``POST /pause``, ``/collective_rpc``, ``/reset_prefix_cache``,
   ``/resume``: answered like vLLM's dev-mode server and recorded in ``calls`` in order.
+- with ``api_key``: every request without ``Authorization: Bearer <key>`` answers 401, as
+  behind ``inference.auth``, except ``GET /prime-rl/identity?nonce=...``, which answers the
+  proof that the server holds the key (``prime_rl.keys``); ``wrong_proof=True`` makes that
+  proof wrong (a server that only pretends to be the run's).
 - fault injection: ``fail`` ({path: status}) makes that path answer the status, ``delay``
   ({path: seconds}) makes it answer late; with ``faults_first=k`` only the first k
   requests to such a path are affected (a transient fault), else all of them.
@@ -34,7 +38,9 @@ import time
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import parse_qs, urlsplit
+
+from prime_rl.keys import IDENTITY_PATH, identity_proof, nonce_bytes
 
 IM_START, IM_END = 257, 258  # as in scripts/build_tiny_model.py (256 is <|endoftext|>)
 LOGPROB = -0.25  # every sampled token gets this logprob
@@ -78,8 +84,12 @@ class FakeInferenceServer:
         delay: dict[str, float] | None = None,
         faults_first: int | None = None,
         prompt_logprob: float = LOGPROB,
+        api_key: str | None = None,
+        wrong_proof: bool = False,
     ):
         self.responder = responder
+        self.api_key = api_key
+        self.wrong_proof = wrong_proof
         self.prompt_logprob = prompt_logprob
         """Logprob of each prompt token asked for with ``prompt_logprobs``: the fake's "weights"."""
 
@@ -127,6 +137,15 @@ class FakeInferenceServer:
 
     # ----------------------------------------------------------------------- responses
 
+    def guard(self, method: str, path: str, authorization: str | None) -> tuple[int, Any] | None:
+        """With ``api_key``, the answer of inference.auth's middleware when it answers itself
+        (the identity route, a missing or wrong key); None lets ``handle`` answer."""
+        if self.api_key is None:
+            return None
+        if urlsplit(path).path == IDENTITY_PATH:
+            return self.identity(method, path)
+        return None if authorization == f"Bearer {self.api_key}" else (401, {"error": "Unauthorized"})
+
     def handle(self, method: str, path: str, body: Any) -> tuple[int, Any]:
         route = urlsplit(path).path
         with self._lock:
@@ -162,6 +181,15 @@ class FakeInferenceServer:
         if method == "POST" and route == "/reset_prefix_cache":
             return 200, {"success": True}
         return 404, {"detail": "Not Found"}
+
+    def identity(self, method: str, path: str) -> tuple[int, Any]:
+        """The identity route as inference.auth answers it (not recorded in ``calls``)."""
+        nonces = parse_qs(urlsplit(path).query).get("nonce", [])
+        nonce = nonce_bytes(nonces[0]) if method == "GET" and len(nonces) == 1 else None
+        if nonce is None:
+            return 400, {"error": "expected GET with one nonce"}
+        key = self.api_key + "-not" if self.wrong_proof else self.api_key
+        return 200, {"proof": identity_proof(key, nonce)}
 
     def chat_completion(self, body: dict[str, Any], index: int) -> dict[str, Any]:
         n = int(body.get("n") or 1)
@@ -275,8 +303,9 @@ def _handler_for(server: FakeInferenceServer) -> type[BaseHTTPRequestHandler]:
             length = int(self.headers.get("Content-Length") or 0)
             raw = self.rfile.read(length) if length else b""
             body = json.loads(raw) if raw else None
-            server.auth_headers.append(self.headers.get("Authorization"))
-            status, payload = server.handle(method, self.path, body)
+            authorization = self.headers.get("Authorization")
+            server.auth_headers.append(authorization)
+            status, payload = server.guard(method, self.path, authorization) or server.handle(method, self.path, body)
             data = b"" if payload is None else json.dumps(payload).encode()
             self.send_response(status)
             self.send_header("Content-Type", "application/json")

@@ -41,7 +41,7 @@ from prime_rl.settings import ConfigError, help_text, process_config
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from orchestrator.client import InferenceError
+from orchestrator.client import InferenceError, check_identity
 from orchestrator.envs import load_env
 from orchestrator.envworker import EnvironmentWorkerError
 from orchestrator.eval import SAMPLERS, interrupt, make_client, one_line, with_api_key
@@ -94,8 +94,11 @@ class Teacher:
         client_cfg = with_api_key(client_cfg, target)
         self.url = client_cfg.urls[0]
         self.model = target.model
-        self.headers = bearer(client_cfg)
         self.timeout_s = client_cfg.timeout_s
+        # The local server (the rollout model's) must prove it holds the key before it gets it
+        # (orchestrator.client); an endpoint's key goes to the endpoint's URL as it is.
+        self.unproven_key = client_cfg.api_key if target.type == "local" else None
+        self.headers = {} if self.unproven_key else bearer(client_cfg)
         self.path = "/chat/completions" if self.url.endswith("/v1") else "/v1/chat/completions"
 
         self.failures = 0
@@ -112,6 +115,9 @@ class Teacher:
 
     def _complete(self, prompt: str) -> str:
         body = {"model": self.model, "messages": [{"role": "user", "content": prompt}]}
+        if self.unproven_key:
+            check_identity(self.url, self.unproven_key, self.timeout_s)
+            self.headers, self.unproven_key = {"Authorization": f"Bearer {self.unproven_key}"}, None
         try:
             response = httpx.post(self.url + self.path, json=body, headers=self.headers, timeout=self.timeout_s)
         except httpx.TransportError as e:

@@ -1,7 +1,9 @@
 """Metrics sinks: JSONL in the run directory, a one-line console summary, optional W&B.
 
 Monitoring never crashes training: a failing sink is reported once and switched off.
-Keys are prefixed (`loss/`, `reward/`, `perf/`, `time/`, ...).
+Keys are prefixed (`loss/`, `reward/`, `perf/`, `time/`, ...). Secrets stay out: W&B gets
+the settings redacted (`prime_rl.keys.redact`: API keys, tokens, transport keys), and rows
+are metrics, never settings.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from prime_rl.config import WandbConfig
+from prime_rl.keys import redact
 from prime_rl.rundir import append_jsonl, metrics_path
 
 
@@ -74,7 +77,7 @@ class WandbSink:
             entity=config.entity,
             name=f"{config.name or Path(run_dir).name}-{process}",
             mode=config.mode,
-            config=settings,
+            config=redact(settings),  # the process's config, without its keys
             id=run_id,
             resume="allow" if run_id else None,
             reinit=True,

@@ -15,6 +15,7 @@ marker alone. Writers fill ``step_N.tmp`` first and rename it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -197,7 +198,9 @@ def write_json_atomic(path: Path, data: dict, private: bool = False) -> None:
     whole. ``private``: readable by its owner only (a config that holds an API key)."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600 if private else 0o666)
+    with contextlib.suppress(FileNotFoundError):  # a crash's leftover would keep its old mode
+        tmp.unlink()
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600 if private else 0o666)
     with os.fdopen(fd, "w") as f:
         json.dump(data, f, indent=1)
         f.write("\n")
