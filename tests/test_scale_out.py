@@ -112,7 +112,7 @@ def test_two_ranks_and_two_replicas_then_resume_on_one(tmp_path, tiny_model):
     assert len(record.frames) == 2
     one = json.loads(config_path(run_dir, "trainer").read_text())
     port = free_port()
-    one.update(output_dir=str(tmp_path / "one"), max_steps=1, ckpt={"interval": 0}, transport={**one["transport"], "port": port})
+    one.update(output_dir=str(tmp_path / "one"), max_steps=1, ckpt={"interval": 0}, transport=plain_transport(one["transport"], port))
     code, output = run_trainer_process(tmp_path, one, repacked_frames(record, 1, micro_batch_size=8))
     assert code == 0, output
     single = [r for r in read_jsonl(tmp_path / "one" / "metrics.jsonl") if r["process"] == "trainer"][0]
@@ -133,3 +133,10 @@ def test_two_ranks_and_two_replicas_then_resume_on_one(tmp_path, tiny_model):
     assert all(math.isfinite(r["loss/policy"]) for r in resumed)
     assert (weights_step_dir(run_dir, STEPS + 1) / MARKER).is_file()
     assert tagged_processes(tag) == [], "no child process may survive the runs"
+
+
+def plain_transport(resolved: dict, port: int) -> dict:
+    """The run's trainer transport on another port, without its CURVE keys: the frames are
+    replayed by a plain PUSH socket (run_trainer_process)."""
+    return {key: value for key, value in resolved.items() if not key.startswith("curve_")} | {"port": port}
+

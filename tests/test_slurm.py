@@ -17,7 +17,7 @@ from prime_rl.config import RLConfig
 from prime_rl.deployment import plan_multi_node, process_specs
 from prime_rl.launcher import tail
 from prime_rl.rundir import MARKER, log_path, metrics_path, read_jsonl, weights_step_dir
-from prime_rl.slurm import ADDRS_VAR, HOSTS_VAR, node_placement, render
+from prime_rl.slurm import ADDRS_VAR, HOSTS_VAR, node_placement, prepare, render
 
 FAKE_SCONTROL = """#!/bin/bash
 # `scontrol show hostnames LIST` and `scontrol show node NAME` of a 4-node cluster a1..a4
@@ -25,8 +25,11 @@ if [ "$2" = hostnames ]; then printf 'a1\\na2\\na3\\na4\\n'; exit 0; fi
 echo "NodeName=$3 Arch=x86_64 CoresPerSocket=1 NodeAddr=10.0.0.${3#a} NodeHostName=$3 Version=22.05"
 """
 FAKE_SRUN = """#!/bin/bash
-# records each call's arguments and the node addresses it was given, then exits 0
+# records each call's arguments and the node addresses it was given, then exits 0; the
+# inference side (a1,a2) outlives the trainer side, as in a real job (else the script rightly
+# reports that inference ended first, which made this flaky under load)
 echo "$* | $PRIME_RL_SLURM_HOSTS | $PRIME_RL_SLURM_ADDRS" >> "$SRUN_LOG"
+case "$*" in *--nodelist=a1,a2*) sleep 1 ;; esac
 """
 
 
@@ -70,10 +73,12 @@ def test_four_node_job_splits_hosts_and_wires_addresses(tmp_path, monkeypatch):
     assert "--kill-on-bad-exit=1" in inference_call and "--kill-on-bad-exit=1" in trainer_call
     assert all(c.endswith("| a1,a2,a3,a4 | 10.0.0.1,10.0.0.2,10.0.0.3,10.0.0.4") for c in calls), calls
 
-    # each node's processes, as `prime-rl slurm-node` starts them there
+    # each node's processes, as `prime-rl slurm-node` starts them there from RUN/slurm/rl.json
     monkeypatch.setenv(HOSTS_VAR, "a1,a2,a3,a4")
     monkeypatch.setenv(ADDRS_VAR, "10.0.0.1,10.0.0.2,10.0.0.3,10.0.0.4")
     run_dir = tmp_path / "run"
+    resolved, _ = prepare(config, run_dir, tmux=False)
+    config = RLConfig.model_validate_json(resolved.read_text())
     port = config.inference.port
     by_node = {}
     for node in ("a1", "a2", "a3", "a4"):
@@ -103,6 +108,35 @@ def test_four_node_job_splits_hosts_and_wires_addresses(tmp_path, monkeypatch):
         assert spec.env["CUDA_VISIBLE_DEVICES"] == "0,1,2,3,4,5,6,7"
     trainer = json.loads((run_dir / "configs/trainer-1.json").read_text())
     assert trainer["transport"]["host"] == "10.0.0.3"
+    assert_transport_keys_pair(run_dir, ["trainer", "trainer-1"])
+
+
+def assert_transport_keys_pair(run_dir: Path, trainers: list[str]) -> None:
+    """Every trainer config holds the client secret and the orchestrator's public key, the
+    orchestrator's its server secret and the trainer's public key, each only its own secret,
+    in files only their owner reads; every node drew them from one rl.json, so they pair up."""
+    import zmq
+
+    orchestrator = json.loads((run_dir / "configs/orchestrator.json").read_text())["transport"]
+    assert orchestrator["curve_client_secret"] is None and orchestrator["curve_server_public"] is None
+    server_public = zmq.curve_public(orchestrator["curve_server_secret"].encode()).decode()
+    for name in ["orchestrator", *trainers]:
+        assert stat.S_IMODE((run_dir / f"configs/{name}.json").stat().st_mode) == 0o600, name
+    for name in trainers:
+        trainer = json.loads((run_dir / f"configs/{name}.json").read_text())["transport"]
+        assert trainer["curve_server_secret"] is None and trainer["curve_client_public"] is None
+        assert trainer["curve_server_public"] == server_public
+        assert zmq.curve_public(trainer["curve_client_secret"].encode()).decode() == orchestrator["curve_client_public"]
+        assert trainer["max_message_bytes"] == orchestrator["max_message_bytes"] >= 64 * 2**20
+
+
+def test_a_multi_node_job_without_transport_keys_is_refused(tmp_path):
+    """Keys drawn on each node would not pair up: only rl.json's (from `prepare`) may be used."""
+    config = RLConfig.model_validate({"output_dir": str(tmp_path / "run"), "batch_size": 64,
+                                      "slurm": {"nodes": 2, "inference_nodes": 1, "gpus_per_node": 0}})
+    placement = plan_multi_node(config, ["10.0.0.1", "10.0.0.2"])
+    with pytest.raises(ValueError, match="multi-node job needs the transport keys"):
+        process_specs(config, tmp_path / "run", placement, node=1)
 
 
 FAILING_INFERENCE_SRUN = """#!/bin/bash
@@ -204,6 +238,7 @@ def test_two_node_job_runs_inference_on_one_node_and_trains_on_the_other(tmp_pat
     assert api_key, "a multi-node job's vLLM requires a key on every route"
     for holds_key in (run_dir / "slurm" / "rl.json", run_dir / "configs" / "inference.json", run_dir / "configs" / "orchestrator.json"):
         assert stat.S_IMODE(holds_key.stat().st_mode) == 0o600, holds_key
+    assert_transport_keys_pair(run_dir, ["trainer"])  # and the batches went through CURVE with them
     assert tagged_processes(tag) == []
 
 

@@ -13,6 +13,7 @@ from prime_rl.wire import (
     decode_batch,
     encode_batch,
     make_sample,
+    max_frame_bytes,
     sample_arrays,
 )
 
@@ -87,3 +88,63 @@ def test_non_finite_values_are_rejected(field):
     sample = make_sample([1, 2], [0, 1], logprobs, advantage=advantage, reward=0, policy_version=0, example_id=0)
     with pytest.raises(WireError, match="must be finite"):
         decode_batch(encode_batch(batch(samples=[sample])))
+
+
+# --------------------------------------------------------------------------- what would crash the trainer later
+
+
+def frame_with(micro_batches) -> bytes:
+    return encode_batch(TrainBatch(SCHEMA_VERSION, 3, 0, 0.7, micro_batches))
+
+
+def one_sample(ids=(1, 2, 3), logprobs=(0.0, -0.5, -1.0)):
+    return make_sample(list(ids), [0, 1, 1], list(logprobs), advantage=0.5, reward=1.0, policy_version=0, example_id=0)
+
+
+def test_a_batch_without_micro_batches_is_rejected():
+    with pytest.raises(WireError, match="at least one micro-batch"):
+        decode_batch(frame_with([]))
+
+
+def test_an_empty_micro_batch_is_rejected():
+    """collate cannot pad zero samples (max() of nothing)."""
+    with pytest.raises(WireError, match=r"micro_batches\[1\] holds no samples"):
+        decode_batch(frame_with([MicroBatch([one_sample()]), MicroBatch([])]))
+
+
+@pytest.mark.parametrize("bad_id", [-1, 264, 2**31 - 1])
+def test_token_ids_outside_the_embedding_are_rejected(bad_id):
+    """An id the embedding has no row for is an index error on CPU and a device assert on GPU."""
+    frame = frame_with([MicroBatch([one_sample(), one_sample(ids=(1, bad_id, 3))])])
+    with pytest.raises(WireError, match=rf"micro_batches\[0\].samples\[1\]: token id {bad_id} out of range"):
+        decode_batch(frame, vocab_size=264)
+    assert decode_batch(frame_with([MicroBatch([one_sample(ids=(0, 263, 5))])]), vocab_size=264)
+
+
+def test_negative_ids_are_rejected_without_a_vocab_size():
+    with pytest.raises(WireError, match="token id -5 out of range"):
+        decode_batch(frame_with([MicroBatch([one_sample(ids=(1, -5, 3))])]))
+
+
+def test_positive_logprobs_are_rejected_beyond_rounding():
+    with pytest.raises(WireError, match=r"samples\[0\]: inference logprob 0.5 is positive"):
+        decode_batch(frame_with([MicroBatch([one_sample(logprobs=(0.0, 0.5, -1.0))])]))
+    # float32 log-softmax may round a near-certain token's logprob just above 0
+    decode_batch(frame_with([MicroBatch([one_sample(logprobs=(0.0, 3e-7, -1.0))])]))
+
+
+def test_deep_nesting_under_an_unknown_key_is_a_wire_error():
+    """msgspec recurses while skipping an unknown key's value: a 1M-deep array is a
+    RecursionError unless decode_batch turns it into a rejected frame."""
+    frame = b"\x82" + msgspec.msgpack.encode("schema_version") + b"\x01" + msgspec.msgpack.encode("junk")
+    frame += b"\x91" * 1_000_000 + b"\xc0"
+    with pytest.raises(WireError, match="nested too deep"):
+        decode_batch(frame)
+
+
+def test_max_frame_bytes_bounds_a_full_frame():
+    seq_len, n = 64, 10
+    samples = [make_sample(np.arange(seq_len), np.ones(seq_len), -np.ones(seq_len), advantage=-1.5, reward=0.25,
+                           policy_version=2**40, example_id=2**40) for _ in range(n)]
+    frame = encode_batch(TrainBatch(SCHEMA_VERSION, 2**40, 0, 0.7, [MicroBatch(samples[:4]), MicroBatch(samples[4:])]))
+    assert len(frame) <= max_frame_bytes(n, seq_len) < 2 * len(frame)

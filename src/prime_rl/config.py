@@ -293,6 +293,52 @@ class TransportConfig(StrictModel):
     first_batch_timeout_s: float = Field(1800.0, gt=0)
     """Longest wait for the first batch: it covers inference start-up (see `orchestrator.client.startup_timeout_s`)."""
 
+    max_message_bytes: int | None = Field(None, ge=2**16)
+    """Largest frame the trainer takes (ZeroMQ `MAXMSGSIZE`: a bigger one drops the connection before it is buffered) and the orchestrator sends (a bigger batch fails the step, naming this setting). None = filled by the launcher from the run's batch (`prime_rl.deployment`), 64 MiB in a process started without it."""
+
+    curve_server_secret: str | None = Field(None, repr=False)
+    """Orchestrator: the CURVE secret key (Z85) of its PUSH sockets. Generated per run by the launcher (`prime_rl.deployment`), with the three below; never set by hand. None with the others = no encryption nor authentication, allowed on loopback only."""
+
+    curve_client_public: str | None = None
+    """Orchestrator: the trainer's CURVE public key (Z85), the only client its sockets admit."""
+
+    curve_client_secret: str | None = Field(None, repr=False)
+    """Trainer: its CURVE secret key (Z85)."""
+
+    curve_server_public: str | None = None
+    """Trainer: the orchestrator's CURVE public key (Z85), which it checks the server against."""
+
+    @model_validator(mode="after")
+    def _curve_keys(self) -> TransportConfig:
+        keys = {name: getattr(self, name) for name in CURVE_KEY_FIELDS}
+        bad = [name for name, key in keys.items() if key is not None and not _Z85_KEY.fullmatch(key)]
+        if bad:
+            raise ValueError(f"{', '.join(bad)}: a CURVE key is 40 characters of Z85")
+        server, client = keys["curve_server_secret"], keys["curve_client_secret"]
+        if (server is None) != (keys["curve_client_public"] is None) or (client is None) != (keys["curve_server_public"] is None):
+            raise ValueError(
+                "CURVE keys come in pairs: curve_server_secret with curve_client_public (orchestrator), "
+                "curve_client_secret with curve_server_public (trainer)"
+            )
+        return self
+
+    def leaves_loopback(self) -> bool:
+        """Whether the orchestrator's bind address or the address the trainer connects to is not loopback."""
+        return not all(_is_loopback(h) for h in (self.host, self.bind_host) if h is not None)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a host name other than localhost may resolve anywhere
+        return False
+
+
+CURVE_KEY_FIELDS = ("curve_server_secret", "curve_client_public", "curve_client_secret", "curve_server_public")
+_Z85_KEY = re.compile(r"[0-9A-Za-z.\-:+=^!/*?&<>()\[\]{}@%$#]{40}")
+
 
 # --------------------------------------------------------------------------- trainer
 
@@ -1083,6 +1129,11 @@ class EvalEnvConfig(StrictModel):
                     data = {**{k: v for k, v in data.items() if k != alias}, field: data[alias]}
         return data
 
+    @field_validator("args")
+    @classmethod
+    def _args_not_too_deep(cls, args: dict[str, Any]) -> dict[str, Any]:
+        return check_args_nesting(args)
+
     @model_validator(mode="after")
     def _known_environment(self) -> EvalEnvConfig:
         check_environment_id(self.id, self.python)
@@ -1170,11 +1221,6 @@ class EvalRunConfig(StrictModel):
 
     target: EvalTarget | None = None
     """What `model` resolved to (set by `prime-rl eval` for the eval process)."""
-
-    @field_validator("args")
-    @classmethod
-    def _args_not_too_deep(cls, args: dict[str, Any]) -> dict[str, Any]:
-        return check_args_nesting(args)
 
     @model_validator(mode="after")
     def _consistent(self) -> EvalRunConfig:

@@ -24,9 +24,13 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from prime_rl.config import InferenceConfig, RLConfig
+import zmq
+
+from prime_rl.config import InferenceConfig, RLConfig, TransportConfig
+from prime_rl.keys import holds_secret
 from prime_rl.launcher import ProcessSpec
 from prime_rl.rundir import config_path, write_json_atomic
+from prime_rl.wire import DEFAULT_MAX_FRAME_BYTES, max_frame_bytes
 
 # One thread per process: the processes share the cores (docs/machine_facts.md), and
 # OMP_WAIT_POLICY=PASSIVE stops idle OpenMP threads from spinning.
@@ -197,6 +201,10 @@ def describe(placement: Placement) -> list[str]:
 
 def process_specs(config: RLConfig, run_dir: Path, placement: Placement, node: int = 0, job_id: str = "") -> list[ProcessSpec]:
     """Write the configs of ``node``'s processes to RUN/configs/ and return how to start them."""
+    if len(placement.nodes) > 1 and not has_transport_keys(config):
+        # each node resolves its own configs: keys drawn here would differ from node to node
+        raise PlacementError("a multi-node job needs the transport keys in its resolved config (RUN/slurm/rl.json, written by `prime-rl --slurm`)")
+    config = resolve_transport(config)
     plan = placement.nodes[node]
     python = sys.executable
     specs = [replica_spec(config, run_dir, r, python, multi=len(placement.replicas) > 1) for r in plan.replicas]
@@ -212,6 +220,57 @@ def process_specs(config: RLConfig, run_dir: Path, placement: Placement, node: i
     if plan.trainer is not None:
         specs.append(trainer_spec(config, run_dir, placement, plan, python, job_id))
     return specs
+
+
+# --------------------------------------------------------------------------- transport keys and size
+
+
+PER_TURN_SAMPLES = 8
+"""Samples per rollout the frame cap allows for with `multi_turn = "per_turn"` (one per turn); 2 otherwise (a re-rendered conversation splits a rollout)."""
+
+
+def has_transport_keys(config: RLConfig) -> bool:
+    return config.orchestrator.transport.curve_server_secret is not None or config.trainer.transport.curve_client_secret is not None
+
+
+def resolve_transport(config: RLConfig) -> RLConfig:
+    """``config`` with the rollout transport resolved for both sides (a copy; as is when done):
+
+    - CURVE keys drawn per run, one keypair per side: the orchestrator gets its server secret
+      and the trainer's public key (the only client it admits), the trainer its own secret and
+      the server's public key. Always, loopback included: any local user can connect to a
+      port on 127.0.0.1 and take batches. The configs holding them are written 0600
+      (``write_config``) and logged redacted (``prime_rl.keys``).
+    - ``max_message_bytes``, unless set: every sample of a step at ``seq_len`` tokens (one rank
+      may get them all), at least the wire's default.
+
+    The top-level `[transport]` is cleared: it was copied into both sections at validation and
+    would conflict with their keys when RUN/slurm/rl.json is read back."""
+    orchestrator, trainer = config.orchestrator.transport, config.trainer.transport
+    if not has_transport_keys(config):
+        server_public, server_secret = (k.decode() for k in zmq.curve_keypair())
+        client_public, client_secret = (k.decode() for k in zmq.curve_keypair())
+        orchestrator = orchestrator.model_copy(update={"curve_server_secret": server_secret, "curve_client_public": client_public})
+        trainer = trainer.model_copy(update={"curve_client_secret": client_secret, "curve_server_public": server_public})
+    elif not transport_keys_match(orchestrator, trainer):
+        raise PlacementError("transport: the trainer's and the orchestrator's CURVE keys are not one pair; drop them all to get fresh ones")
+    per_rollout = PER_TURN_SAMPLES if config.orchestrator.multi_turn == "per_turn" else 2
+    cap = max(DEFAULT_MAX_FRAME_BYTES, max_frame_bytes(config.orchestrator.batch_size * per_rollout, config.orchestrator.seq_len))
+    orchestrator, trainer = (t if t.max_message_bytes else t.model_copy(update={"max_message_bytes": cap}) for t in (orchestrator, trainer))
+    if (orchestrator, trainer, None) == (config.orchestrator.transport, config.trainer.transport, config.transport):
+        return config
+    config = config.model_copy(deep=True)
+    config.orchestrator.transport, config.trainer.transport, config.transport = orchestrator, trainer, None
+    return config
+
+
+def transport_keys_match(orchestrator: TransportConfig, trainer: TransportConfig) -> bool:
+    """Whether each side holds the other's public key (a side without keys matches nothing)."""
+    if orchestrator.curve_server_secret is None or trainer.curve_client_secret is None:
+        return False
+    server_public = zmq.curve_public(orchestrator.curve_server_secret.encode()).decode()
+    client_public = zmq.curve_public(trainer.curve_client_secret.encode()).decode()
+    return trainer.curve_server_public == server_public and orchestrator.curve_client_public == client_public
 
 
 def replica_spec(config: RLConfig, run_dir: Path, replica: Replica, python: str, multi: bool) -> ProcessSpec:
@@ -253,9 +312,10 @@ def visible(gpus: tuple[int, ...]) -> dict[str, str]:
 
 
 def write_config(run_dir: Path, name: str, data: dict) -> Path:
-    """RUN/configs/<name>.json; readable by its owner only when it holds an API key."""
+    """RUN/configs/<name>.json; readable by its owner only (0600) when it holds a secret: an
+    API key or a transport key, in any section (the process reads it from there; whatever is
+    logged gets it redacted, prime_rl.keys)."""
     path = config_path(run_dir, name)
     path.parent.mkdir(parents=True, exist_ok=True)
-    key = data.get("api_key") or (data.get("client") or {}).get("api_key")
-    write_json_atomic(path, data, private=bool(key))
+    write_json_atomic(path, data, private=holds_secret(data))
     return path

@@ -27,7 +27,9 @@ import sys
 from pathlib import Path
 
 from prime_rl.config import RLConfig, SlurmConfig
-from prime_rl.deployment import Placement, count_gpus, describe, plan_multi_node, plan_single_node, process_specs
+from prime_rl.deployment import (
+    Placement, count_gpus, describe, plan_multi_node, plan_single_node, process_specs, resolve_transport,
+)
 from prime_rl.launcher import run, tmux_available
 from prime_rl.rundir import write_json_atomic
 from prime_rl.settings import ConfigError
@@ -53,13 +55,15 @@ def session_name(run_dir: Path, node: str) -> str:
 
 
 def prepare(config: RLConfig, run_dir: Path, tmux: bool = True) -> tuple[Path, Path]:
-    """Write RUN/slurm/rl.json (resolved config, readable by the user only) and job.sbatch."""
+    """Write RUN/slurm/rl.json (resolved config with the run's keys, readable by the user only) and job.sbatch."""
     folder = slurm_dir(run_dir)
     folder.mkdir(parents=True, exist_ok=True)
     if config.slurm.multi_node and config.inference.api_key is None:
         # vLLM binds beyond loopback: every route, admin ones included, needs a key (inference.auth)
         config.inference.api_key = secrets.token_urlsafe(24)
         config.orchestrator.client.api_key = config.inference.api_key
+    # Transport keys drawn once, here: every node resolves its own processes from rl.json.
+    config = resolve_transport(config)
     resolved = folder / "rl.json"
     write_json_atomic(resolved, config.model_dump(mode="json"), private=True)
     script = folder / "job.sbatch"

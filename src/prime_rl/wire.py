@@ -5,9 +5,12 @@ One ``TrainBatch`` message per step per trainer rank. Each sample travels on its
 its token ids and logprobs packed as little-endian int32 / float32 buffers because
 decoding msgpack lists of Python ints is the slow part (docs/machine_facts.md).
 
-Decoding validates the schema version, the types and that every per-token buffer of a
-sample has the same length; anything else raises ``WireError`` with a message that
-says what was wrong.
+Decoding validates the schema version, the types, that every per-token buffer of a
+sample has the same length, that every micro-batch holds samples, that token ids index
+the trainer's embedding (``vocab_size``) and that logprobs are finite and not positive;
+anything else, a frame msgspec cannot parse (nested too deep included) among it, raises
+``WireError`` with a message that says what was wrong. These are the frames that would
+otherwise crash the trainer later, in collate or in the embedding lookup.
 """
 
 from __future__ import annotations
@@ -18,6 +21,19 @@ import msgspec
 import numpy as np
 
 SCHEMA_VERSION = 1
+
+BYTES_PER_TOKEN = 4 + 1 + 4
+"""int32 id + uint8 mask + float32 logprob."""
+BYTES_PER_SAMPLE = 256
+"""msgpack overhead of one sample beyond its buffers (field names, scalars; 114 bytes measured), with room."""
+
+DEFAULT_MAX_FRAME_BYTES = 64 * 2**20
+"""`transport.max_message_bytes` when neither the config nor the launcher sets it."""
+
+LOGPROB_SLACK = 1e-4
+"""Largest positive logprob accepted. A logprob is <= 0 in exact arithmetic; float32 log-softmax
+(and bf16 logits) can round a near-certain token's to a tiny positive value, which must not
+reject a batch. Anything above this is not rounding but a wrong field (a probability, a logit)."""
 
 
 class WireError(ValueError):
@@ -106,14 +122,30 @@ def encode_batch(batch: TrainBatch) -> bytes:
     return _encoder.encode(batch)
 
 
-def decode_batch(frame: bytes, *, expected_step: int | None = None, expected_rank: int | None = None) -> TrainBatch:
-    """Decode and validate one frame; raises WireError naming what is wrong."""
+def max_frame_bytes(samples: int, seq_len: int) -> int:
+    """Size of a frame holding ``samples`` samples of ``seq_len`` tokens each (an upper bound)."""
+    return samples * (seq_len * BYTES_PER_TOKEN + BYTES_PER_SAMPLE) + 4096
+
+
+def decode_batch(
+    frame: bytes | memoryview,
+    *,
+    expected_step: int | None = None,
+    expected_rank: int | None = None,
+    vocab_size: int | None = None,
+) -> TrainBatch:
+    """Decode and validate one frame; raises WireError naming what is wrong.
+
+    ``vocab_size``: rows of the trainer's embedding; ids outside [0, vocab_size) are rejected
+    (None = only ids < 0 are)."""
     try:
         batch = _decoder.decode(frame)
     except msgspec.ValidationError as e:
         raise WireError(f"malformed train batch: {e}") from None
     except msgspec.DecodeError as e:
         raise WireError(f"not a msgpack train batch ({len(frame)} bytes): {e}") from None
+    except RecursionError:  # msgspec recurses into nested values, even under unknown keys it skips
+        raise WireError(f"not a train batch ({len(frame)} bytes): values nested too deep") from None
     if batch.schema_version != SCHEMA_VERSION:
         raise WireError(f"wrong schema version {batch.schema_version} (this build speaks {SCHEMA_VERSION})")
     if expected_step is not None and batch.step != expected_step:
@@ -122,9 +154,17 @@ def decode_batch(frame: bytes, *, expected_step: int | None = None, expected_ran
         raise WireError(f"batch for rank {batch.rank} arrived at rank {expected_rank}")
     if not math.isfinite(batch.temperature) or batch.temperature <= 0:
         raise WireError(f"temperature must be a positive finite number, got {batch.temperature}")
+    if not batch.micro_batches:
+        raise WireError("a train batch needs at least one micro-batch, got none")
+    samples: list[tuple[str, Sample]] = []
     for m, micro in enumerate(batch.micro_batches):
+        if not micro.samples:
+            raise WireError(f"micro_batches[{m}] holds no samples")
         for s, sample in enumerate(micro.samples):
-            _validate_sample(sample, f"micro_batches[{m}].samples[{s}]")
+            where = f"micro_batches[{m}].samples[{s}]"
+            _validate_sample(sample, where)
+            samples.append((where, sample))
+    _validate_values(samples, vocab_size)
     return batch
 
 
@@ -141,5 +181,26 @@ def _validate_sample(sample: Sample, where: str) -> None:
         raise WireError(f"{where}: a sample needs at least 2 tokens, got {n}")
     if not (math.isfinite(sample.advantage) and math.isfinite(sample.reward)):
         raise WireError(f"{where}: advantage and reward must be finite")
-    if not np.isfinite(np.frombuffer(sample.inference_logprobs, dtype="<f4")).all():
-        raise WireError(f"{where}: inference logprobs must be finite")
+
+
+def _validate_values(samples: list[tuple[str, Sample]], vocab_size: int | None) -> None:
+    """Token ids and logprobs of the whole batch at once: one numpy pass over the joined
+    buffers (a pass per sample costs more than the decode); only a failure looks for the
+    sample to name."""
+    ids = np.frombuffer(b"".join(s.input_ids for _, s in samples), dtype="<i4")
+    logprobs = np.frombuffer(b"".join(s.inference_logprobs for _, s in samples), dtype="<f4")
+    high = np.iinfo(np.int32).max if vocab_size is None else vocab_size - 1
+    if ids.min() < 0 or ids.max() > high:
+        for where, sample in samples:
+            bad = np.frombuffer(sample.input_ids, dtype="<i4")
+            bad = bad[(bad < 0) | (bad > high)]
+            if len(bad):
+                vocab = "" if vocab_size is None else f" (the model's embedding has {vocab_size} rows)"
+                raise WireError(f"{where}: token id {int(bad[0])} out of range{vocab}")
+    if not (np.isfinite(logprobs).all() and logprobs.max() <= LOGPROB_SLACK):
+        for where, sample in samples:
+            lp = np.frombuffer(sample.inference_logprobs, dtype="<f4")
+            if not np.isfinite(lp).all():
+                raise WireError(f"{where}: inference logprobs must be finite")
+            if lp.max() > LOGPROB_SLACK:
+                raise WireError(f"{where}: inference logprob {float(lp.max()):g} is positive (a logprob is <= 0)")

@@ -3,7 +3,11 @@
 The trainer knows only the wire contract (``prime_rl.wire``), never the orchestrator:
 tests drive it with a PUSH socket and hand-made ``TrainBatch`` messages. Frames are
 msgpack (``decode_batch``), never pickle; a frame that fails validation is logged and
-skipped, so one bad message cannot crash a run or be trained on.
+skipped, so one bad message cannot crash a run or be trained on. A frame above
+``transport.max_message_bytes`` never reaches Python: libzmq reads its length, drops the
+connection before buffering it (``MAXMSGSIZE``) and reconnects; the socket monitor logs that.
+With the launcher's keys the socket is a CURVE client: it talks only to the orchestrator
+holding the run's server key, which admits only this client key (``orchestrator.sender``).
 """
 
 from __future__ import annotations
@@ -15,10 +19,20 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from prime_rl.config import TransportConfig
-from prime_rl.wire import MicroBatch, TrainBatch, WireError, decode_batch, sample_arrays
+from prime_rl.wire import DEFAULT_MAX_FRAME_BYTES, MicroBatch, TrainBatch, WireError, decode_batch, sample_arrays
 from trainer.packing import attention_allowed, lay_out, plan_rows
+
+
+# Socket events that mean libzmq dropped the connection to the orchestrator, or failed its
+# CURVE handshake, and CONNECT_RETRIED, which says libzmq reconnects by itself (it does after
+# a lost connection, not after a protocol error: a frame above MAXMSGSIZE, a refused key).
+_HANDSHAKE_FAILED = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+_WATCHED = zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED | _HANDSHAKE_FAILED
+RECONNECT_S = 1.0
+"""Wait after a dropped connection before connecting again, unless libzmq does it first."""
 
 
 def _log(msg: str) -> None:
@@ -28,16 +42,34 @@ def _log(msg: str) -> None:
 class BatchReceiver:
     """PULL socket that connects to the orchestrator's PUSH at ``tcp://host:port + rank``."""
 
-    def __init__(self, cfg: TransportConfig, rank: int, log: Callable[[str], None] = _log):
+    def __init__(
+        self, cfg: TransportConfig, rank: int, log: Callable[[str], None] = _log, vocab_size: int | None = None
+    ):
+        """``vocab_size``: rows of the model's embedding; batches with ids outside it are rejected."""
+        if cfg.curve_client_secret is None and cfg.leaves_loopback():
+            raise OSError(
+                f"refusing to take batches from {cfg.host} without CURVE keys: anyone reaching that port could "
+                "feed the trainer (the launcher generates per-run keys)"
+            )
         self.rank = rank
+        self.vocab_size = vocab_size
         self.timeout_s = cfg.timeout_s
         self.first_timeout_s = cfg.first_batch_timeout_s
+        self.max_bytes = cfg.max_message_bytes or DEFAULT_MAX_FRAME_BYTES
         self._received_any = False
         self.address = f"tcp://{cfg.host}:{cfg.port + rank}"
         self.log = log
         self._ctx = zmq.Context()  # own context: closing it never touches other sockets
         self._sock = self._ctx.socket(zmq.PULL)
         self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, self.max_bytes)
+        if cfg.curve_client_secret is not None:
+            secret = cfg.curve_client_secret.encode()
+            self._sock.setsockopt(zmq.CURVE_SERVERKEY, cfg.curve_server_public.encode())
+            self._sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
+            self._sock.setsockopt(zmq.CURVE_PUBLICKEY, zmq.curve_public(secret))
+        self._monitor = self._sock.get_monitor_socket(_WATCHED)
+        self._reconnect_at: float | None = None
         self._sock.connect(self.address)  # zmq reconnects by itself if the peer is not up yet
 
     def receive(self, step: int) -> TrainBatch:
@@ -48,21 +80,62 @@ class BatchReceiver:
         """
         timeout_s = self.timeout_s if self._received_any else self.first_timeout_s
         deadline = time.monotonic() + timeout_s
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
+        logged: set[int] = set()  # a peer that keeps failing is logged once per kind
         while True:
-            remaining_ms = (deadline - time.monotonic()) * 1000
-            if remaining_ms <= 0 or not self._sock.poll(timeout=max(1, int(remaining_ms))):
-                raise TimeoutError(f"no batch for step {step} from {self.address} within {timeout_s:g}s")
-            frames = self._sock.recv_multipart()
+            now = time.monotonic()
+            if self._reconnect_at is not None and now >= self._reconnect_at:
+                self._reconnect()
+            until = min(deadline, self._reconnect_at or deadline)
+            ready = dict(poller.poll(timeout=max(1, int((until - now) * 1000)))) if now < deadline else {}
+            if self._monitor in ready:
+                self._on_event(step, logged)
+                continue
+            if self._sock not in ready:
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"no batch for step {step} from {self.address} within {timeout_s:g}s")
+                continue
+            frames = self._sock.recv_multipart(copy=False)  # decoded from libzmq's buffer: no extra copy of the frame
             try:
                 if len(frames) != 1:
                     raise WireError(f"expected a single-frame message, got {len(frames)} frames")
-                batch = decode_batch(frames[0], expected_step=step, expected_rank=self.rank)
+                batch = decode_batch(frames[0].buffer, expected_step=step, expected_rank=self.rank, vocab_size=self.vocab_size)
                 self._received_any = True
                 return batch
             except WireError as e:
                 self.log(f"rejected a message on {self.address} while waiting for step {step}: {e}")
 
+    def _on_event(self, step: int, logged: set[int]) -> None:
+        """Log a dropped connection or failed handshake (once per kind in ``logged``) and plan
+        to reconnect; libzmq's own reconnect (CONNECT_RETRIED) makes ours unneeded."""
+        event = recv_monitor_message(self._monitor)["event"]
+        if event == zmq.EVENT_CONNECT_RETRIED:
+            self._reconnect_at = None
+            return
+        if event == zmq.EVENT_DISCONNECTED:
+            self._reconnect_at = time.monotonic() + RECONNECT_S
+        if event in logged:
+            return
+        logged.update([event, zmq.EVENT_DISCONNECTED])  # a failed handshake ends in a disconnect too
+        why = {
+            zmq.EVENT_DISCONNECTED: f"a frame above transport.max_message_bytes ({self.max_bytes}), or the orchestrator went away",
+            zmq.EVENT_HANDSHAKE_FAILED_AUTH: "the orchestrator refused this trainer's CURVE key (another run's keys?)",
+        }.get(event, "the CURVE handshake failed (the peer holds another server key, or speaks no CURVE)")
+        self.log(f"connection to {self.address} dropped while waiting for step {step}: {why}; reconnecting")
+
+    def _reconnect(self) -> None:
+        self._reconnect_at = None
+        try:
+            self._sock.disconnect(self.address)
+        except zmq.ZMQError:  # the endpoint is gone already
+            pass
+        self._sock.connect(self.address)
+
     def close(self) -> None:
+        self._sock.disable_monitor()
+        self._monitor.close(linger=0)
         self._sock.close(linger=0)
         self._ctx.term()
 

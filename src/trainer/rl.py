@@ -70,7 +70,8 @@ def train(cfg: TrainerConfig) -> None:
         resume_row = {"time/load_ckpt": time.perf_counter() - t_load}
         if world.is_main:
             log(f"resumed from {checkpoint_step_dir(cfg.output_dir, start)} in {resume_row['time/load_ckpt']:.1f} s: next step {start}")
-    receiver = BatchReceiver(cfg.transport, world.rank)
+    # ids must index the embedding's rows (which may exceed the tokenizer's vocabulary)
+    receiver = BatchReceiver(cfg.transport, world.rank, vocab_size=model.get_input_embeddings().num_embeddings)
     log(f"rank {world.rank}/{world.world_size} on {world.device}: {cfg.model.name}; batches from {receiver.address}")
     nonfinite = 0  # consecutive steps skipped for a non-finite loss or gradient
     try:
