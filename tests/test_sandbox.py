@@ -45,8 +45,8 @@ def bounded(sandbox):
     return Sandbox(BOUNDED, max_concurrent=2)
 
 
-@pytest.fixture
-def scratch(sandbox):
+def scratch_of(sandbox: Sandbox):
+    """A scratch directory of ``sandbox`` (which sets its size), removed afterwards."""
     path = sandbox.new_scratch()
     yield path
     sandbox.remove_scratch(path)
@@ -54,12 +54,13 @@ def scratch(sandbox):
 
 
 @pytest.fixture
+def scratch(sandbox):
+    yield from scratch_of(sandbox)
+
+
+@pytest.fixture
 def bounded_scratch(bounded):
-    """A scratch directory of BOUNDED's size (the sandbox that makes it sets its cap)."""
-    path = bounded.new_scratch()
-    yield path
-    bounded.remove_scratch(path)
-    assert not path.exists()
+    yield from scratch_of(bounded)
 
 
 def processes() -> dict[int, tuple[int, int, str, str]]:
