@@ -78,6 +78,21 @@ def reverse(messages, index):
     return str(messages[-1]["content"])[::-1] if index % 2 == 0 else "nope"
 
 
+def check_three_turns(sample, prompts: list[list[int]], reply_start: str, env_text: str) -> None:
+    """A three-turn sample: three spans of sampled tokens, each starting with ``reply_start``
+    and ending with <|im_end|>, each turn's prompt exactly the sequence so far (a request the
+    fake server received), and the environment's message after the first turn (holding
+    ``env_text``) in the sequence but out of the loss."""
+    ids, mask, _ = sample_arrays(sample)
+    runs = mask_spans(mask)
+    assert len(runs) == 3, "three model turns, each its own span of sampled tokens"
+    for k, (start, end) in enumerate(runs):
+        assert ids[:start].tolist() in prompts, f"turn {k}"
+        assert text(ids[start:end]).startswith(reply_start) and ids[end - 1] == IM_END
+    between = text(ids[runs[0][1] : runs[1][0]])
+    assert env_text in between and not mask[runs[0][1] : runs[1][0]].any()
+
+
 def check_reversals(samples, prompts: list[list[int]]) -> None:
     """Single-turn reverse-text samples: each is exactly a prompt the fake server was sent
     (with the environment's system prompt), then what it sampled, with its logprobs, and the
@@ -123,15 +138,7 @@ def test_classic_multi_turn_env_concatenates_the_sampled_turns(vf03_python, tmp_
         prompts = completion_prompts(server)
     assert len(samples) == 4 and len(prompts) == 12  # 4 rollouts x 3 turns
     for sample in samples:
-        ids, mask, _ = sample_arrays(sample)
-        runs = mask_spans(mask)
-        assert len(runs) == 3, "three model turns, each its own span of sampled tokens"
-        for k, (start, end) in enumerate(runs):
-            # turn k's prompt is the sequence so far, exactly: a request the fake server received
-            assert ids[:start].tolist() in prompts, f"turn {k}"
-            assert text(ids[start:end]).startswith("reply ") and ids[end - 1] == IM_END
-        between = text(ids[runs[0][1] : runs[1][0]])
-        assert "user\n" in between and not mask[runs[0][1] : runs[1][0]].any()  # the env's message: in the sequence, out of the loss
+        check_three_turns(sample, prompts, reply_start="reply ", env_text="user\n")
     row = metrics_row(tmp_path)
     assert row["metrics/vf-multi/num_turns"] == pytest.approx(3.0)
     assert row["stop/enough_turns_frac"] == pytest.approx(1.0)

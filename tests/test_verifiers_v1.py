@@ -16,11 +16,11 @@ import difflib
 import pytest
 from prime_rl.wire import sample_arrays
 
-from orchestrator.fake_inference import IM_END, FakeInferenceServer
+from orchestrator.fake_inference import FakeInferenceServer
 
 from helpers import mask_spans
 from test_verifiers_classic import (
-    check_reversals, completion_prompts, eval_results, metrics_row, one_batch, orchestrator_config, reverse, text,
+    check_reversals, check_three_turns, completion_prompts, eval_results, metrics_row, one_batch, orchestrator_config, reverse,
 )
 from verifiers_venvs import verifiers_venv
 
@@ -57,14 +57,7 @@ def test_v1_multi_turn_taskset_trains_each_branch_as_one_exact_sequence(vf04_pyt
         prompts = completion_prompts(server)
     assert len(samples) == 4 and len(prompts) == 12  # 4 episodes x 3 model turns
     for sample in samples:
-        ids, mask, _ = sample_arrays(sample)
-        runs = mask_spans(mask)
-        assert len(runs) == 3
-        for start, end in runs:  # each turn's prompt is the sequence so far, as the fake server received it
-            assert ids[:start].tolist() in prompts
-            assert text(ids[start:end]).startswith("ping pong tick tock") and ids[end - 1] == IM_END
-        between = text(ids[runs[0][1] : runs[1][0]])
-        assert "again" in between and not mask[runs[0][1] : runs[1][0]].any()
+        check_three_turns(sample, prompts, reply_start="ping pong tick tock", env_text="again")
         assert sample.reward == pytest.approx(1.0)  # the task's word said in every turn: all four are in the reply
     row = metrics_row(tmp_path)
     assert row["metrics/v1-again/model_turns"] == pytest.approx(3.0) and row["seq/turns_mean"] == pytest.approx(3.0)
