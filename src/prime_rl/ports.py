@@ -19,6 +19,8 @@ import os
 import socket
 from dataclasses import dataclass
 
+import psutil
+
 from prime_rl.config import RLConfig
 from prime_rl.deployment import Placement
 
@@ -84,12 +86,10 @@ def describe_error(b: Binding, error: OSError) -> str:
 
 def holder(port: int) -> str:
     """`pid N (command)` of the process listening on ``port``, or `another program` when it
-    cannot be seen (psutil missing, or another user's process without root)."""
+    cannot be seen (another user's process without root)."""
     try:
-        import psutil  # vLLM depends on it; without it the message just names no pid
-
         connections = [c for c in psutil.net_connections(kind="tcp") if c.laddr and c.laddr.port == port and c.pid]
-    except Exception:  # ImportError, AccessDenied (macOS without root), ...
+    except Exception:  # AccessDenied (macOS without root), ...
         return "another program"
     if not connections:
         return "another program"
