@@ -149,7 +149,7 @@ def rl(argv: list[str]) -> int:
     start()
     use_tmux = "--no-tmux" not in launcher_flags and tmux_available()
     workers = tuple(f"env-{env.metric_name}" for env in config.orchestrator.env if env.python is not None)
-    return run(run_dir, specs, use_tmux, session_name=f"prime-rl-{run_dir.name}", follow=workers)
+    return run(run_dir, specs, use_tmux, session_name=f"prime-rl-{run_dir.name}", follow=workers, watchdog=config.watchdog)
 
 
 def submit_slurm(config: RLConfig, run_dir: Path, dry_run: bool, tmux: bool, start: Callable[[], None]) -> int:

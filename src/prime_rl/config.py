@@ -801,6 +801,23 @@ class SlurmConfig(StrictModel):
         return self.nodes > 1
 
 
+class WatchdogConfig(StrictModel):
+    """The launcher's watchdog (`[watchdog]`): it reads every process's heartbeat
+    (`RUN/logs/<process>.heartbeat.json`) and speaks up when none of them makes progress."""
+
+    report_s: float = Field(120.0, ge=0)
+    """Seconds without progress in any process before the launcher prints what each one waits for (again at most this often); 0 = never report."""
+
+    timeout_s: float = Field(1800.0, ge=0)
+    """Seconds without progress in any process before the launcher stops the run (exit 1); 0 = never, only report."""
+
+    @model_validator(mode="after")
+    def _report_before_timeout(self) -> WatchdogConfig:
+        if self.report_s and self.timeout_s and self.report_s > self.timeout_s:
+            raise ValueError(f"report_s ({self.report_s:g}) must not exceed timeout_s ({self.timeout_s:g})")
+        return self
+
+
 # --------------------------------------------------------------------------- root (RL)
 
 
@@ -886,6 +903,9 @@ class RLConfig(StrictModel):
 
     slurm: SlurmConfig | None = None
     """The SLURM job for `prime-rl CONFIG.toml --slurm`; None = no SLURM settings."""
+
+    watchdog: WatchdogConfig = WatchdogConfig()
+    """Launcher's stall watchdog over the processes' heartbeats."""
 
     @model_validator(mode="before")
     @classmethod

@@ -6,6 +6,11 @@ If a child exits non-zero, or inference exits at all while the others work, the
 launcher stops the other two, names the failed process and shows the end of its log.
 When trainer and orchestrator finish, it stops inference. Ctrl-C stops all three.
 
+With a watchdog (``[watchdog]``), it also reads each process's heartbeat
+(``prime_rl.heartbeat``) every poll: when no process has made progress for ``report_s`` it
+prints what each one is doing or waiting for, and after ``timeout_s`` it stops the run with
+``Stalled``, so that a run whose processes are all alive but stuck never hangs silently.
+
 A process marked ``terminal`` (`prime-rl eval`'s eval process, whose output is the result)
 writes to the launcher's stdout and stderr instead of a log file.
 
@@ -16,6 +21,7 @@ nothing escapes its control and the session is removed at the end.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import shutil
@@ -26,8 +32,13 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from prime_rl.heartbeat import Beat, heartbeat_path, read_heartbeats
 from prime_rl.rundir import log_path
+
+if TYPE_CHECKING:
+    from prime_rl.config import WatchdogConfig
 
 STOP_GRACE_S = 15.0
 
@@ -79,14 +90,32 @@ def tail(path: Path, lines: int = 20) -> str:
         return f"(no log at {path})\n"
 
 
+class Stalled(RuntimeError):
+    """The watchdog's verdict: no process made progress for ``timeout_s``."""
+
+    def __init__(self, idle_s: float, timeout_s: float):
+        self.idle_s, self.timeout_s = idle_s, timeout_s
+        super().__init__(f"no process made progress for {idle_s:.0f} s (watchdog.timeout_s = {timeout_s:g})")
+
+
 class Launcher:
-    def __init__(self, run_dir: Path, specs: list[ProcessSpec], poll_s: float = 0.5):
+    def __init__(
+        self, run_dir: Path, specs: list[ProcessSpec], poll_s: float = 0.5, watchdog: WatchdogConfig | None = None
+    ):
         self.run_dir = Path(run_dir)
         self.specs = specs
         self.poll_s = poll_s
         self.procs: dict[str, subprocess.Popen] = {}
+        on = watchdog is not None and (watchdog.report_s > 0 or watchdog.timeout_s > 0)
+        self.watchdog = watchdog if on else None
+        self.started_unix = time.time()
+        self.reported_unix: float | None = None
 
     def start(self) -> None:
+        self.started_unix = time.time()
+        for spec in self.specs:  # a previous run's heartbeat would speak for this one
+            with contextlib.suppress(OSError):
+                heartbeat_path(self.run_dir, spec.name).unlink(missing_ok=True)
         for spec in self.specs:
             if spec.terminal:
                 self.procs[spec.name] = self._popen(spec, stdout=None, stderr=None)  # inherit ours
@@ -121,7 +150,26 @@ class Launcher:
             # A node that only serves (a SLURM inference node) runs until it is stopped.
             if required and all(self.procs[name].poll() == 0 for name in required):
                 return
+            if self.watchdog is not None:
+                self.watch()
             time.sleep(self.poll_s)
+
+    def watch(self) -> None:
+        """One watchdog check: print the report when one is due, raise Stalled at the timeout."""
+        now = time.time()
+        beats = read_heartbeats(self.run_dir, [s.name for s in self.specs])
+        finished = {name for name, proc in self.procs.items() if proc.poll() == 0}
+        serving = {s.name for s in self.specs if not s.required}
+        verdict = judge(beats, finished, serving, self.started_unix, now, self.watchdog.report_s,
+                        self.watchdog.timeout_s, self.reported_unix)
+        if verdict.action == "ok":
+            return
+        print(f"[prime-rl] watchdog: no process made progress for {verdict.idle_s:.0f} s", flush=True)
+        for line in verdict.lines:
+            print(f"[prime-rl]   {line}", flush=True)
+        self.reported_unix = now
+        if verdict.action == "fail":
+            raise Stalled(verdict.idle_s, self.watchdog.timeout_s)
 
     def stop(self) -> None:
         """SIGTERM every process group, then SIGKILL what is left after the grace period."""
@@ -147,6 +195,50 @@ def _signal_group(pgid: int, sig: int) -> None:
         os.killpg(pgid, sig)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+# --------------------------------------------------------------------------- watchdog
+
+
+@dataclass(frozen=True)
+class Verdict:
+    action: str  # "ok" (nothing to say), "report" (print the lines), "fail" (print them, stop the run)
+    idle_s: float  # seconds since the newest progress of any process (or the launch)
+    lines: tuple[str, ...] = ()
+
+
+def judge(
+    beats: dict[str, Beat | None], finished: set[str], serving: set[str], started_unix: float, now: float,
+    report_s: float, timeout_s: float, reported_unix: float | None,
+) -> Verdict:
+    """The watchdog's decision, pure: ``beats`` per process (None: no heartbeat), the ones that
+    ``finished`` (exited 0) and the ones ``serving`` (inference: vLLM writes no heartbeat), the
+    launch time, the last report's time. Progress is the newest ``progress_unix`` of any process,
+    the launch counting as progress; 0 turns ``report_s`` or ``timeout_s`` off."""
+    newest = max([started_unix] + [b.progress_unix for b in beats.values() if b is not None])
+    idle = max(0.0, now - newest)
+    if timeout_s > 0 and idle >= timeout_s:
+        return Verdict("fail", idle, status_lines(beats, finished, serving, now))
+    report_due = reported_unix is None or now - reported_unix >= report_s
+    if report_s > 0 and idle >= report_s and report_due:
+        return Verdict("report", idle, status_lines(beats, finished, serving, now))
+    return Verdict("ok", idle)
+
+
+def status_lines(beats: dict[str, Beat | None], finished: set[str], serving: set[str], now: float) -> tuple[str, ...]:
+    """One line per process: what it waits for, or its last progress, or that it has no heartbeat."""
+    return tuple(f"{name}: {status(beat, name in finished, name in serving, now)}" for name, beat in beats.items())
+
+
+def status(beat: Beat | None, finished: bool, serving: bool, now: float) -> str:
+    if finished:
+        return "finished"
+    if beat is None:
+        return "serving (no heartbeat)" if serving else "no heartbeat"
+    if beat.waiting_for is not None:
+        since = time.strftime("%H:%M:%S", time.localtime(beat.waiting_since))
+        return f"waiting for {beat.waiting_for} since {since} ({now - beat.waiting_since:.0f} s)"
+    return f'last progress "{beat.progress}" {now - beat.progress_unix:.0f} s ago'
 
 
 # --------------------------------------------------------------------------- tmux
@@ -202,14 +294,14 @@ def tmux_available() -> bool:
 
 def run(
     run_dir: Path, specs: list[ProcessSpec], use_tmux: bool, session_name: str, exit_code_from: str | None = None,
-    follow: tuple[str, ...] = (),
+    follow: tuple[str, ...] = (), watchdog: WatchdogConfig | None = None,
 ) -> int:
     """Run the processes to completion; returns the launcher's exit code: 0, 130 after Ctrl-C,
     else 1, or the failed process's own exit code when it is ``exit_code_from`` (`prime-rl
     eval` passes on its eval process's 2 = config error, 1 = runtime failure). ``follow``
     names more logs for tmux panes: ones a process's own children write (environment workers,
-    `RUN/logs/env-<name>.log`)."""
-    launcher = Launcher(run_dir, specs)
+    `RUN/logs/env-<name>.log`). ``watchdog``: report and stop a run whose processes all stall."""
+    launcher = Launcher(run_dir, specs, watchdog=watchdog)
     view = None
     logged = [s.name for s in specs if not s.terminal]
     if use_tmux:
@@ -233,6 +325,9 @@ def run(
         if e.log is not None:  # a terminal process's last lines are already on screen
             print(f"[prime-rl] last lines of {e.log}:\n{tail(e.log)}", file=sys.stderr, flush=True)
         return e.code if e.name == exit_code_from and e.code > 0 else 1
+    except Stalled as e:
+        print(f"[prime-rl] watchdog: {e}; stopping all processes", file=sys.stderr, flush=True)
+        return 1
     except KeyboardInterrupt:
         print("[prime-rl] interrupted; stopping all processes", file=sys.stderr, flush=True)
         return 130
