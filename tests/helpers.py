@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
@@ -106,11 +107,13 @@ port = {free_port_pair()}
 
 
 @contextmanager
-def orchestrator_process(config: dict, run_dir, env: dict | None = None, receive_timeout_s: float = 20):
+def orchestrator_process(config: dict, run_dir, env: dict | None = None, receive_timeout_s: float = 20,
+                         expect_code: int = 0, result: dict | None = None):
     """Run `python -m orchestrator.main` on ``config`` (environment ``env``, default ours with
     the repo's src on PYTHONPATH); yields ``receive(step)``, the test playing trainer rank 0,
     which waits ``receive_timeout_s`` for a batch. On exit, waits for the process and checks it
-    exited 0."""
+    exited ``expect_code``; ``result`` gets its output (`out`) and the seconds it took to
+    exit after the block (`exit_s`)."""
     import zmq
     from prime_rl.wire import decode_batch
 
@@ -127,14 +130,17 @@ def orchestrator_process(config: dict, run_dir, env: dict | None = None, receive
     trainer.connect(f"tcp://127.0.0.1:{config['transport']['port']}")
     try:
         yield lambda step: decode_batch(trainer.recv(), expected_step=step, expected_rank=0)
+        done = time.monotonic()
         out, _ = proc.communicate(timeout=20)
+        if result is not None:
+            result.update(out=out, exit_s=time.monotonic() - done)
     finally:
         trainer.close()
         ctx.term()
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert proc.returncode == 0, out
+    assert proc.returncode == expect_code, out
 
 
 def mask_spans(mask) -> list[tuple[int, int]]:

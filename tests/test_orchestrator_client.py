@@ -228,6 +228,38 @@ def test_reload_weights_with_a_request_in_flight_drains_it_first(tmp_path):
     assert server.admin_calls() == ["/pause?mode=wait", "/collective_rpc", "/reset_prefix_cache", "/resume"]
 
 
+def test_an_in_flight_reload_keeps_the_request_and_labels_it_with_both_versions(tmp_path):
+    """keep: the request in flight is frozen, not drained (no prefix-cache reset while it holds
+    blocks), continues on the new weights, and comes back labelled (old, new); a request
+    made during the reload waits for it, and each version salts the prefix cache its own way."""
+    entered, release = threading.Event(), threading.Event()
+
+    def held(messages, index):
+        if index == 0:
+            entered.set()
+            release.wait(10)
+        return "x"
+
+    async def go(client):
+        first = asyncio.ensure_future(complete(client, max_tokens=4))
+        await asyncio.to_thread(entered.wait, 10)
+        reload = asyncio.ensure_future(client.reload_weights(tmp_path, 1, keep=True))
+        await asyncio.sleep(0)  # the reload has begun: a request made now waits for it
+        second = asyncio.ensure_future(complete(client, max_tokens=4))
+        await reload
+        release.set()
+        return await first, await second
+
+    with FakeInferenceServer(responder=held) as server:
+        first, second = run_with_client(server, go)
+    assert server.admin_calls() == ["/pause?mode=keep", "/collective_rpc", "/resume"]
+    assert (first.versions, second.versions) == ((0, 1), (1, 1))
+    generation = [(path, body) for _, path, body in server.calls if path == "/v1/completions"]
+    assert [body["cache_salt"] for _, body in generation] == [client_module.cache_salt(0), client_module.cache_salt(1)]
+    paths = [path for _, path, _ in server.calls]
+    assert paths.index("/resume") < len(paths) - 1 - paths[::-1].index("/v1/completions")  # the second came after
+
+
 def test_failed_reload_names_the_call_and_still_resumes(tmp_path):
     def slow(messages, index):
         time.sleep(0.5)

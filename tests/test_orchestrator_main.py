@@ -2,6 +2,7 @@
 as a subprocess against the fake vLLM server, with this test playing the trainer."""
 
 import asyncio
+import time
 from pathlib import Path
 
 import pytest
@@ -36,7 +37,7 @@ class RecordingClient:
     def __init__(self):
         self.reloaded = []
 
-    async def reload_weights(self, path):
+    async def reload_weights(self, path, version=None, keep=False):
         self.reloaded.append(Path(path).name)
 
 
@@ -109,7 +110,8 @@ def test_resume_on_another_rank_count_repacks_the_recorded_batches(tmp_path, cap
     cfg = OrchestratorConfig(output_dir=tmp_path, batch_size=4, rollouts_per_example=2, micro_batch_size=2,
                              ckpt={"resume_step": 1})
     sender = RecordingSender()
-    assert resume(cfg, data, ExampleOrder([10], seed=0), sender, Metrics("orchestrator", [])) == (2, 1)
+    cursor = {"order": {"counts": [4]}, "pending": []}
+    assert resume(cfg, data, ExampleOrder([10], seed=0), sender, Metrics("orchestrator", [])) == (2, 1, cursor)
     assert "re-packed step 1's batch from 2 ranks to 1" in capsys.readouterr().out
     ((rank, step, frame),) = sender.sent
     batch = decode_batch(frame, expected_step=1, expected_rank=0)
@@ -349,3 +351,75 @@ def test_without_filtering_the_step_is_the_next_k_examples():
     cfg = OrchestratorConfig(rollouts_per_example=2, batch_size=4)
     picks, rollouts, row = asyncio.run(sample_step([("e", ScriptedEnv(patterns))], ExampleOrder([3], seed=0), None, cfg, 2))
     assert len(picks) == 2 and len(rollouts) == 4 and row == {}
+
+
+# --------------------------------------------------------------------------- never a silent hang
+
+
+def stall_config(tmp_path, tiny_model, server, **overrides):
+    return {
+        "model": str(tiny_model),
+        "preflight": {"enabled": False},
+        "env": [{"id": "reverse-text", "args": {"num_examples": 50}}],
+        "sampling": {"max_tokens": 8},
+        "client": {"base_url": server.url, "timeout_s": 1, "max_retries": 0},
+        "transport": {"port": free_port(), "timeout_s": 20},
+        "batch_size": 4,
+        "rollouts_per_example": 2,
+        "micro_batch_size": 4,
+        "async_level": 0,
+        "seq_len": 128,
+        "output_dir": str(tmp_path),
+        "weights_timeout_s": 2,
+        **overrides,
+    }
+
+
+def test_a_reload_that_never_answers_fails_the_run_naming_it(tmp_path, tiny_model):
+    """Continuous batching loads new weights in the background: a reload that hangs ends the
+    run within the client's timeout, with one line naming the call, not a silent wait."""
+    result = {}
+    with FakeInferenceServer(delay={"/collective_rpc": 30}) as server:
+        config = stall_config(tmp_path, tiny_model, server, max_steps=3)
+        with orchestrator_process(config, tmp_path, expect_code=1, result=result) as receive:
+            receive(0)
+            write_weights(tmp_path, 1)
+    assert "/collective_rpc: no answer within 1 s (not sent again" in result["out"], result["out"]
+    assert "Traceback" not in result["out"]
+
+
+def test_groups_in_flight_at_the_end_are_cancelled_and_the_process_exits(tmp_path, tiny_model):
+    """The last batch is sent while groups of later examples are still in flight (one of
+    them would take 60 s): they are cancelled and the orchestrator exits at once."""
+    def slow_sometimes(messages, index):
+        if index >= 4:  # every group after the first step's two
+            time.sleep(60)
+        return "x"
+
+    result = {}
+    with FakeInferenceServer(responder=slow_sometimes) as server:
+        config = stall_config(tmp_path, tiny_model, server, max_steps=1, async_level=1,
+                              client={"base_url": server.url, "timeout_s": 120})
+        with orchestrator_process(config, tmp_path, result=result) as receive:
+            receive(0)
+    assert result["exit_s"] < 10, result
+
+
+def test_a_final_eval_waiting_for_weights_the_trainer_never_writes_ends_naming_them(tmp_path, tiny_model):
+    """At max_steps the last evaluation waits for the final weights; a trainer gone without
+    writing them ends the wait after weights_timeout_s with one line, and the heartbeat said
+    what the orchestrator was waiting for."""
+    from prime_rl.heartbeat import heartbeat_path, read_heartbeat
+
+    result = {}
+    with FakeInferenceServer() as server:
+        config = stall_config(tmp_path, tiny_model, server, max_steps=1, eval={"interval": 1, "num_examples": 2})
+        with orchestrator_process(config, tmp_path, expect_code=1, result=result) as receive:
+            receive(0)
+            deadline = time.monotonic() + 10
+            while (beat := read_heartbeat(heartbeat_path(tmp_path, "orchestrator"))) is None or not beat.waiting_for:
+                assert time.monotonic() < deadline, "no heartbeat while waiting"
+                time.sleep(0.05)
+            waiting = beat.waiting_for
+    assert "final weights (step 1)" in waiting, waiting
+    assert "weights/step_1 (with its STABLE marker)" in result["out"] and "Traceback" not in result["out"]

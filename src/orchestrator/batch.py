@@ -41,6 +41,10 @@ class ScoredRollout:
     env: str = ""
     """Name of the environment it came from (for metrics)."""
 
+    last_policy_version: int | None = None
+    """Newest weights step among its tokens (a reload landed while it was sampled); None =
+    ``policy_version``."""
+
 
 def rollout_tokens(rollout: Rollout, turns: list[Turn] | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(input_ids int32 [T], loss_mask uint8 [T], inference_logprobs float32 [T]) of the
@@ -85,6 +89,7 @@ def to_sample(scored: ScoredRollout, seq_len: int, turns: list[Turn] | None = No
         reward=scored.rollout.reward,
         policy_version=scored.policy_version,
         example_id=scored.rollout.example_id,
+        last_policy_version=scored.last_policy_version,
     )
 
 

@@ -88,6 +88,9 @@ class Completion:
 
     text: str
     finish_reason: str | None
+    versions: tuple[int, int] = (0, 0)
+    """Policy versions served when the request was sent and when its answer came: equal
+    unless a reload landed while it was in flight (its tokens then come from both)."""
 
 
 @dataclass(eq=False)
@@ -130,6 +133,13 @@ class InferenceClient:
         """Where the round robin among equally loaded replicas starts next."""
         self.retries = 0
         """Requests retried after a transient transport error (reported in the metrics)."""
+        self.version = 0
+        """Policy version the replicas serve (0 = the model they started with); set by
+        ``reload_weights``. It salts the prefix cache of every request (``cache_salt``)."""
+        self._serving = asyncio.Event()
+        self._serving.set()
+        """Clear while a reload is under way: new generation requests wait for it, so that each
+        one is sent entirely before or entirely after the new weights."""
 
     async def close(self) -> None:
         for replica in self.replicas:
@@ -190,8 +200,11 @@ class InferenceClient:
             "n": n,
         }
         async with self._generation() as replica:
+            sent = self.version
+            body["cache_salt"] = cache_salt(sent)
             response = await self._post(replica, "/v1/completions", json=body)
-        results = parse_completion_choices(response.json(), list(prompt_ids))
+        versions = (sent, self.version)
+        results = parse_completion_choices(response.json(), list(prompt_ids), versions)
         if len(results) != n:
             raise InferenceError(f"{replica.url}: asked for {n} choices, the server returned {len(results)}")
         return results
@@ -234,13 +247,27 @@ class InferenceClient:
         deadline = time.monotonic() + timeout_s
         await self._on_every_replica(lambda replica: self._wait_replica_healthy(replica, deadline, timeout_s, poll_s))
 
-    async def reload_weights(self, weights_path: Path | str) -> None:
+    async def reload_weights(self, weights_path: Path | str, version: int | None = None, *, keep: bool = False) -> None:
         """Load an HF safetensors folder into every replica, in place and concurrently; with
         ``lora_adapter``, a PEFT adapter folder, loaded in place under that name, which
         requests name from then on. Returns once every replica is done; any replica's
-        error is raised, naming it (the others still finish their reload first)."""
+        error is raised, naming it (the others still finish their reload first).
+
+        ``version`` is the policy version the folder holds (requests from now on carry it).
+        ``keep`` is the in-flight update: requests in flight stay in the engine, frozen by
+        ``/pause?mode=keep``, and continue on the new weights after ``/resume`` (their KV
+        cache, computed with the old ones, is kept); without it they first finish on the old
+        weights (``mode=wait``). New requests wait until the reload is done either way."""
         path = str(Path(weights_path).resolve())
-        await self._on_every_replica(lambda replica: self._reload_replica(replica, path))
+        self._serving.clear()
+        try:
+            # A LoRA adapter is swapped with its sequences drained (measured with mode=wait only)
+            mode = "keep" if keep and self.lora_adapter is None else "wait"
+            await self._on_every_replica(lambda replica: self._reload_replica(replica, path, mode))
+            if version is not None:
+                self.version = version
+        finally:
+            self._serving.set()
         if self.lora_adapter is not None:
             self.model_name = self.lora_adapter
 
@@ -276,16 +303,18 @@ class InferenceClient:
                 )
             await asyncio.sleep(poll_s)
 
-    async def _reload_replica(self, replica: Replica, path: str) -> None:
-        """Reload one replica. The order matters: reload, then reset the prefix cache (else
-        KV computed with the old weights is served silently). With generation requests in
-        flight on this replica it first pauses its engine (they finish on the old weights)
-        and resumes it after; with none, as between the orchestrator's steps, it skips both:
-        vLLM's pause alone costs ~25 ms (a fixed 20 ms sleep), a third of a reload
-        (docs/machine_facts.md)."""
+    async def _reload_replica(self, replica: Replica, path: str, mode: str = "wait") -> None:
+        """Reload one replica. With generation requests in flight on this replica it first
+        pauses its engine (``mode`` wait: they finish on the old weights; keep: they are
+        frozen and go on with the new ones) and resumes it after; with none, as between the
+        orchestrator's steps, it skips both: vLLM's pause alone costs ~25 ms (a fixed 20 ms
+        sleep), a third of a reload (docs/machine_facts.md). KV computed with the old
+        weights is never served to a request of the new version: requests salt the prefix
+        cache with their version (``cache_salt``), and the cache is reset too when no
+        sequence holds blocks (vLLM refuses a reset while frozen sequences hold them)."""
         drain = replica.in_flight > 0
         if drain:
-            await self._post(replica, "/pause", params={"mode": "wait"})
+            await self._post(replica, "/pause", params={"mode": mode})
         try:
             if self.lora_adapter is None:
                 # Not re-sent after a timeout or a broken connection: the first may still be running
@@ -304,7 +333,8 @@ class InferenceClient:
                     "/v1/load_lora_adapter",
                     json={"lora_name": self.lora_adapter, "lora_path": path, "load_inplace": True},
                 )
-            await self._reset_prefix_cache(replica)
+            if not (drain and mode == "keep"):
+                await self._reset_prefix_cache(replica)
         except Exception:
             # Leave the server serving rather than paused forever; the error still propagates.
             if drain:
@@ -323,6 +353,7 @@ class InferenceClient:
             "temperature": 1.0,
             **FULL_DISTRIBUTION,
             "prompt_logprobs": 0,
+            "cache_salt": cache_salt(self.version),
         }
         async with self._slots:
             response = await self._post(replica, "/v1/completions", json=body)
@@ -340,8 +371,12 @@ class InferenceClient:
 
     @contextlib.asynccontextmanager
     async def _generation(self):
-        """A slot for one generation request and the replica it goes to, counted in flight there."""
+        """A slot for one generation request and the replica it goes to, counted in flight
+        there; never while a reload is under way."""
+        await self._serving.wait()
         async with self._slots:
+            while not self._serving.is_set():  # a reload began while this one waited for a slot
+                await self._serving.wait()
             replica = self._pick_replica()
             replica.in_flight += 1
             replica.requests += 1
@@ -540,7 +575,15 @@ def _chat_choice(choice: dict[str, Any]) -> tuple[str, str | None, tuple[ToolCal
     return message.get("content") or "", choice.get("finish_reason"), tuple(calls)
 
 
-def parse_completion_choices(payload: dict[str, Any], prompt_ids: list[int]) -> list[Completion]:
+def cache_salt(version: int) -> str:
+    """The prefix-cache salt of requests of policy ``version``: a request only ever reuses
+    KV that requests of its own version computed, i.e. with the same weights."""
+    return f"prime-rl-policy-{version}"
+
+
+def parse_completion_choices(
+    payload: dict[str, Any], prompt_ids: list[int], versions: tuple[int, int] = (0, 0)
+) -> list[Completion]:
     """Every choice of a vLLM completion of a token-id prompt, in choice order."""
     choices = sorted(payload.get("choices") or [], key=lambda c: c.get("index", 0))
     if not choices:
@@ -562,5 +605,5 @@ def parse_completion_choices(payload: dict[str, Any], prompt_ids: list[int]) -> 
         if not all(math.isfinite(lp) for lp in logprobs):
             raise InferenceError("completion has a non-finite logprob")
         ids = [int(t) for t in completion_ids]
-        results.append(Completion(prompt_ids, ids, logprobs, choice.get("text") or "", choice.get("finish_reason")))
+        results.append(Completion(prompt_ids, ids, logprobs, choice.get("text") or "", choice.get("finish_reason"), versions))
     return results

@@ -4,25 +4,37 @@
 
 Before the first step of a fresh run, a preflight check of the task's difficulty
 (`orchestrator.preflight`). Per step n (0..max_steps-1), top to bottom:
-  (a) sync the policy: inference must serve weights of version >= n - async_level; a
-      newer complete `weights/step_K/` is reloaded as soon as it appears, on every replica
-      (with LoRA, the adapter it holds is loaded, and requests name it; with
-      `client.verify_reload`, the replicas must then score a probe prompt alike);
-  (b) evaluate on the eval splits every `eval.interval` steps;
-  (c) pick the step's examples (seeded, weighted order over the environments);
-  (d) run every rollout of the step concurrently through the inference server (with
-      `[orchestrator.filter]`: drop groups that teach nothing, sample replacements);
+  (a)-(d) the step's rollouts, by one of two schedules (`batching`):
+      continuous (the default, `orchestrator.inflight`): groups of rollouts stay in flight
+        across step boundaries, up to `max_inflight_groups`; the step's batch is cut from
+        the groups that completed first; a group older than n - async_level is dropped
+        (counted in `batch/stale_groups_dropped`, never trained on). Meanwhile the weight
+        follower loads each new complete `weights/step_K/` as soon as it appears, while
+        requests are in flight (vLLM's `/pause?mode=keep`: they continue on the new weights,
+        so one completion may hold tokens of two versions; each keeps the logprob it was
+        sampled with, and the prefix cache is salted per version). Evaluation runs beside
+        the groups in flight;
+      step (the barrier): (a) sync the policy: inference must serve weights of version
+        >= n - async_level, reloaded between steps (with LoRA, the adapter; with
+        `client.verify_reload`, the replicas must then score a probe prompt alike); (b)
+        evaluate every `eval.interval` steps; (c) pick the step's examples; (d) run every
+        rollout of the step concurrently (with `[orchestrator.filter]`: drop groups that
+        teach nothing, sample replacements);
   (e) advantages within each example's group of rollouts;
   (f) pack one batch per trainer rank and send it;
   (g) log a metrics row (overall, and per environment).
 Each batch is recorded in `rollouts/step_n/` before it is sent (`orchestrator.progress`),
 so a resume from a trainer checkpoint re-sends what was sampled but not yet trained on
-and samples on from the recorded data cursor.
+and samples on from the recorded data cursor (with continuous batching, the examples in
+flight first). At the end, groups still in flight are cancelled, the last evaluation waits
+for the final weights (bounded by `weights_timeout_s`), and the process exits. Every wait
+is named in `RUN/logs/orchestrator.heartbeat.json` for the launcher's watchdog.
 Versions count optimizer steps: 0 is the initial model and `weights/step_K` holds the
 weights after K steps (the trainer writes it after training on batch K-1), so the trainer
 trains step n with version n and a sample's staleness n - version is its true off-policy
-gap. Every sample records the version it was sampled with, and every sample of step n has
-version >= n - async_level (checked before sending); async_level 0 is fully on-policy.
+gap. Every sample records the oldest and newest version its tokens were sampled with, and
+every sample of step n has oldest version >= n - async_level (checked before sending);
+async_level 0 is fully on-policy.
 """
 
 from __future__ import annotations
@@ -37,6 +49,7 @@ import numpy as np
 from prime_rl.chat import TemplateError
 from prime_rl.config import EnvConfig, OrchestratorConfig, check_model_path
 from prime_rl.envs import Environment, Rollout
+from prime_rl.heartbeat import Heartbeat
 from prime_rl.metrics import Metrics, make_metrics
 from prime_rl.rundir import MARKER, latest_weights_step, weights_dir, weights_step_dir
 from prime_rl.settings import ConfigError, help_text, process_config
@@ -48,6 +61,7 @@ from orchestrator.client import InferenceClient, InferenceError
 from orchestrator.data import ExampleOrder
 from orchestrator.envs import load_env
 from orchestrator.envworker import EnvironmentWorkerError
+from orchestrator.inflight import Cut, GroupPool
 from orchestrator.preflight import PreflightFailed, preflight
 from orchestrator.progress import ResumeError, StepRecord, plan_resume, prune_records, repacked_frames, save_record
 from orchestrator.rollouts import run_groups, summarize
@@ -101,7 +115,7 @@ async def sync_policy(step: int, loaded: int, cfg: OrchestratorConfig, client: I
     if latest is None or latest <= loaded:
         return PolicySync(version=loaded, reloaded_step=None, wait_s=wait_s, reload_s=0.0)
     start = time.perf_counter()
-    await client.reload_weights(weights_step_dir(cfg.output_dir, latest))
+    await client.reload_weights(weights_step_dir(cfg.output_dir, latest), latest)
     reload_s = time.perf_counter() - start
     probes = await client.probe_replicas() if cfg.client.verify_reload else []
     return PolicySync(version=latest, reloaded_step=latest, wait_s=wait_s, reload_s=reload_s, probe_logprobs=tuple(probes))
@@ -195,6 +209,9 @@ def step_metrics(
         "reward/min": float(rewards.min()),
         "staleness/max": int(staleness.max()),
         "staleness/mean": float(staleness.mean()),
+        # rollouts whose tokens came from two policies (a reload landed while they were sampled)
+        "staleness/mixed_frac": float(np.mean([(item.last_policy_version or item.policy_version) > item.policy_version
+                                               for item in items])),
         "policy/version": sync.version,
         "batch/zero_adv_groups_frac": float(zero_variance_groups(rewards, cfg.rollouts_per_example).mean()),
         "batch/finish_length_frac": float(np.mean([item.rollout.finish_reason == "length" for item in items])),
@@ -243,7 +260,130 @@ def env_metrics(items: list[ScoredRollout]) -> dict[str, float | int]:
     return row
 
 
+# --------------------------------------------------------------------------- (a)-(d) with continuous batching
+
+
+@dataclass
+class Reloads:
+    """What the weight follower loaded since the last step was cut."""
+
+    steps: list[int]
+    seconds: float = 0.0
+    probe_logprobs: tuple[float, ...] = ()
+
+    def take(self, version: int) -> PolicySync:
+        """This step's share, as the step barrier's sync reports it; then start over."""
+        sync = PolicySync(version, self.steps[-1] if self.steps else None, 0.0, self.seconds, self.probe_logprobs)
+        self.steps, self.seconds, self.probe_logprobs = [], 0.0, ()
+        return sync
+
+
+async def follow_weights(cfg: OrchestratorConfig, client: InferenceClient, pool: GroupPool, reloads: Reloads) -> None:
+    """Load every new complete `weights/step_K` as soon as it appears, while requests are
+    in flight (``keep``: they continue on the new weights); a failure fails the pool's cut."""
+    try:
+        while True:
+            latest = latest_weights_step(cfg.output_dir)
+            if latest is not None and latest > client.version:
+                start = time.perf_counter()
+                await client.reload_weights(weights_step_dir(cfg.output_dir, latest), latest, keep=True)
+                if cfg.client.verify_reload:
+                    reloads.probe_logprobs = tuple(await client.probe_replicas())
+                reloads.steps.append(latest)
+                reloads.seconds += time.perf_counter() - start
+                pool.notify()
+            await asyncio.sleep(WEIGHTS_POLL_S)
+    except Exception as e:  # noqa: BLE001 - handed to the loop, which raises it
+        pool.fail(e)
+
+
+def weights_stall(cfg: OrchestratorConfig, step: int) -> str:
+    """Why step ``step`` cannot be sampled: the policy it needs is not there yet."""
+    latest = latest_weights_step(cfg.output_dir)
+    return (
+        f"waited {cfg.weights_timeout_s:.0f} s for {weights_step_dir(cfg.output_dir, step)} (with its {MARKER} marker); "
+        f"newest complete weights: {latest if latest is not None else 'none'} in {weights_dir(cfg.output_dir)}. "
+        "Is the trainer running and receiving batches?"
+    )
+
+
 # --------------------------------------------------------------------------- the loop
+
+
+@dataclass
+class StepBatch:
+    """A step's rollouts before advantages, with what a resume needs to sample on."""
+
+    picks: list[tuple[int, int]]
+    rollouts: list[tuple[str, Rollout]]
+    """Group by group."""
+
+    versions: list[tuple[int, int]]
+    """(oldest, newest) policy version of each rollout."""
+
+    sync: PolicySync
+    generate_s: float
+    row: dict[str, float | int]
+    cursor: dict
+    """The data cursor after the step: ``order`` (``ExampleOrder.state_dict()``) and
+    ``pending`` (examples started but in no batch yet, which a resume samples first)."""
+
+    eval_row: dict | None = None
+    """The evaluation that ran before the step (`eval.interval`)."""
+
+
+async def barrier_batch(step, version, envs, order, sampler, cfg, client, k, hb: Heartbeat) -> StepBatch:
+    """The step barrier: (a) the policy synced between steps, (c) the step's examples and
+    (d) all their rollouts concurrently."""
+    with hb.waiting(f"weights step >= {step - cfg.async_level} for step {step}"):
+        sync = await sync_policy(step, version, cfg, client)
+    eval_row = None
+    if eval_due(cfg, step):  # (b) with the policy just synced
+        with hb.waiting(f"the evaluation at step {step}"):
+            eval_row = await evaluate(envs, sampler, cfg, sync.version)
+    start = time.perf_counter()
+    with hb.waiting(f"step {step}'s {k * cfg.rollouts_per_example} rollouts"):
+        picks, rollouts, filter_row = await sample_step(envs, order, sampler, cfg, k)
+    versions = [(sync.version, sync.version)] * len(rollouts)
+    return StepBatch(picks, rollouts, versions, sync, time.perf_counter() - start, filter_row,
+                     {"order": order.state_dict(), "pending": []}, eval_row)
+
+
+async def continuous_batch(step, envs, sampler, cfg, client, pool: GroupPool, reloads: Reloads, hb: Heartbeat) -> StepBatch:
+    """Continuous batching: (b) evaluation beside the groups in flight, then the step's
+    batch cut from the groups that completed first (the weight follower loads each new
+    policy meanwhile)."""
+    stall = lambda needed: weights_stall(cfg, needed)  # noqa: E731
+    eval_row = None
+    if eval_due(cfg, step):  # with a policy the step may train on, as with the barrier
+        with hb.waiting(f"weights step {step - cfg.async_level} for the evaluation at step {step}"):
+            await pool.wait_for_version(step - cfg.async_level, stall, cfg.weights_timeout_s)
+        with hb.waiting(f"the evaluation at step {step}"):
+            eval_row = await evaluate(envs, sampler, cfg, client.version)
+    with hb.waiting(f"step {step}'s {pool.k} groups (policy {client.version}, weights step >= {step - cfg.async_level} needed)"):
+        cut: Cut = await pool.cut(step, stall, cfg.weights_timeout_s, cfg.filter)
+    rollouts = [item for group in cut.groups for item in group.rollouts]
+    versions = [(group.version, group.last_version) for group in cut.groups for _ in group.rollouts]
+    row = {**cut.filter_row, "batch/stale_groups_dropped": cut.stale, "batch/groups_in_flight": cut.in_flight}
+    return StepBatch([group.pick for group in cut.groups], rollouts, versions, reloads.take(client.version), cut.wait_s,
+                     row, {"order": pool.order.state_dict(), "pending": pool.pending()}, eval_row)
+
+
+def eval_due(cfg: OrchestratorConfig, step: int) -> bool:
+    return bool(cfg.eval.interval) and step % cfg.eval.interval == 0
+
+
+def scored_items(batch: StepBatch, cfg: OrchestratorConfig, step: int) -> list[ScoredRollout]:
+    """(e) advantages within each example's group."""
+    advantages = group_advantages(
+        [r.reward for _, r in batch.rollouts], cfg.rollouts_per_example, normalize_std=cfg.advantage.normalize_std
+    )
+    items = [
+        ScoredRollout(r, float(a), oldest, name, newest)
+        for (name, r), a, (oldest, newest) in zip(batch.rollouts, advantages, batch.versions, strict=True)
+    ]
+    check_async_bound(items, step, cfg.async_level)
+    return items
 
 
 async def run(cfg: OrchestratorConfig, envs: list[tuple[str, Environment]], tokenizer) -> None:
@@ -258,76 +398,104 @@ async def run(cfg: OrchestratorConfig, envs: list[tuple[str, Environment]], toke
     sampler = TokenSampler(
         client, tokenizer, cfg.sampling, cfg.seq_len, per_turn=cfg.multi_turn == "per_turn", tool_call_parser=cfg.tool_call_parser
     )
-    sender, delivered = None, False
+    hb = Heartbeat(cfg.output_dir, "orchestrator")
+    sender, pool, follower, delivered = None, None, None, False
     try:
         sender = BatchSender(cfg.transport, cfg.num_trainer_ranks)  # bind early so trainer ranks can connect
-        start, version = 0, 0  # a fresh run: step 0, the initial model
+        start, version, cursor = 0, 0, {"order": order.state_dict(), "pending": []}  # a fresh run: the initial model
         if cfg.ckpt.resume_step is not None:
-            start, version = resume(cfg, data, order, sender, metrics)
-        await client.wait_healthy(cfg.client.startup_timeout_s)
+            start, version, cursor = resume(cfg, data, order, sender, metrics)
+        client.version = version  # inference starts with these weights (the launcher's choice)
+        with hb.waiting(f"the inference server at {', '.join(cfg.client.urls)} to become healthy"):
+            await client.wait_healthy(cfg.client.startup_timeout_s)
         startup_row = {"startup/server_ready_unix": time.time()}  # in the first step's row (benchmarks.run reads it)
-        if version > 0 and cfg.lora_adapter is not None:  # LoRA: inference serves the base; load the adapter
-            await client.reload_weights(weights_step_dir(cfg.output_dir, version))
+        if cfg.initial_weights is not None:  # a running server (another run's): our own weights first
+            await client.reload_weights(cfg.initial_weights, version)
+        elif version > 0 and cfg.lora_adapter is not None:  # LoRA: inference serves the base; load the adapter
+            await client.reload_weights(weights_step_dir(cfg.output_dir, version), version)
         if cfg.client.verify_reload:  # the replicas must start alike too; later probes must differ from this
             startup_row.update(probe_row(await client.probe_replicas(), "startup"))
         if start == 0 and cfg.preflight.enabled:
             metrics.log(0, await preflight(dict(envs), sampler, cfg.preflight, cfg.seed, log), process="preflight")
+        if cfg.batching == "continuous":
+            reloads = Reloads([])
+            pool = GroupPool(
+                envs, order, sampler, rollouts_per_example=cfg.rollouts_per_example, groups_per_step=examples_per_step,
+                async_level=cfg.async_level, max_inflight=cfg.max_inflight_groups or (cfg.async_level + 1) * examples_per_step,
+                version=lambda: client.version, pending=cursor["pending"], log=log,
+            )
+            follower = asyncio.create_task(follow_weights(cfg, client, pool, reloads))
         for step in range(start, cfg.max_steps):
             step_start = time.perf_counter()
-            # (a) inference must serve a policy no older than step - async_level
-            sync = await sync_policy(step, version, cfg, client)
-            version = sync.version
-            # (b) evaluation on the eval splits, with the policy just synced
-            if cfg.eval.interval and step % cfg.eval.interval == 0:
-                metrics.log(step, await evaluate(envs, sampler, cfg, version), process="eval")
-            # (c) the step's examples, (d) all their rollouts concurrently (the client caps
-            # requests in flight); with [orchestrator.filter], groups that teach nothing are
-            # dropped and replaced by new examples' groups
-            cursor_before = order.state_dict()
-            generate_start = time.perf_counter()
-            picks, rollouts, filter_row = await sample_step(envs, order, sampler, cfg, examples_per_step)
-            generate_s = time.perf_counter() - generate_start
+            # (a)-(d): the policy synced, evaluation on its interval, the step's rollouts
+            if pool is None:
+                batch = await barrier_batch(step, version, envs, order, sampler, cfg, client, examples_per_step, hb)
+            else:
+                batch = await continuous_batch(step, envs, sampler, cfg, client, pool, reloads, hb)
+            version = batch.sync.version
+            if batch.eval_row is not None:
+                metrics.log(step, batch.eval_row, process="eval")
             # (e) advantages within each example's group
-            advantages = group_advantages(
-                [r.reward for _, r in rollouts], cfg.rollouts_per_example, normalize_std=cfg.advantage.normalize_std
-            )
-            items = [ScoredRollout(r, float(a), version, name) for (name, r), a in zip(rollouts, advantages, strict=True)]
-            check_async_bound(items, step, cfg.async_level)
+            items = scored_items(batch, cfg, step)
             # (f) one batch per trainer rank, recorded (for a resume) before it is sent
-            batches = pack_batches(
-                items,
-                step=step,
-                num_ranks=cfg.num_trainer_ranks,
-                micro_batch_size=cfg.micro_batch_size,
-                temperature=cfg.sampling.temperature,
-                seq_len=cfg.seq_len,
-                per_turn=cfg.multi_turn == "per_turn",
-            )
-            frames = [encode_batch(batch) for batch in batches]
+            frames = [encode_batch(b) for b in pack_step(items, step, cfg)]
             step_s = time.perf_counter() - step_start
-            row = step_metrics(step, items, sync, cfg, generate_s, step_s, client.retries, client.requests_per_replica())
-            row.update(filter_row)
+            row = step_metrics(step, items, batch.sync, cfg, batch.generate_s, step_s, client.retries, client.requests_per_replica())
+            row.update(batch.row)
             row.update(startup_row)
             startup_row = {}
             if record_progress:
-                versions = [item.policy_version for item in items]
-                record = StepRecord(step, frames, cursor_before, order.state_dict(), picks, min(versions), max(versions), data, row)
+                record = StepRecord(
+                    step, frames, cursor["order"], batch.cursor["order"], batch.picks,
+                    min(item.policy_version for item in items), max(v for _, v in batch.versions), data, row,
+                    cursor["pending"], batch.cursor["pending"],
+                )
                 save_record(cfg.output_dir, record)
                 prune_records(cfg.output_dir)
+            cursor = batch.cursor
             for rank, frame in enumerate(frames):
                 sender.send_frame(rank, step, frame)
             # (g) metrics
             metrics.log(step, row)
-        if cfg.eval.interval:  # the final policy, once the trainer has written it
-            sync = await sync_policy(cfg.max_steps, version, cfg.model_copy(update={"async_level": 0}), client)
-            metrics.log(cfg.max_steps, await evaluate(envs, sampler, cfg, sync.version), process="eval")
+            hb.progress(f"sent the batch of step {step}")
+        # The end: the groups still in flight are cancelled (nothing keeps sampling), then
+        # the final policy is evaluated once the trainer has written it.
+        await stop_generation(pool, follower)
+        pool = follower = None
+        if cfg.eval.interval:
+            with hb.waiting(f"the final weights (step {cfg.max_steps}) for the last evaluation"):
+                sync = await sync_policy(cfg.max_steps, client.version, cfg.model_copy(update={"async_level": 0}), client)
+            with hb.waiting("the last evaluation"):
+                metrics.log(cfg.max_steps, await evaluate(envs, sampler, cfg, sync.version), process="eval")
         delivered = True
     finally:
+        await stop_generation(pool, follower)
         # After the last step, linger so queued batches still reach the trainer; on an error, drop them.
         if sender is not None:
             sender.close(flush=delivered)
         await client.close()
         metrics.close()
+
+
+def pack_step(items: list[ScoredRollout], step: int, cfg: OrchestratorConfig):
+    return pack_batches(
+        items,
+        step=step,
+        num_ranks=cfg.num_trainer_ranks,
+        micro_batch_size=cfg.micro_batch_size,
+        temperature=cfg.sampling.temperature,
+        seq_len=cfg.seq_len,
+        per_turn=cfg.multi_turn == "per_turn",
+    )
+
+
+async def stop_generation(pool: GroupPool | None, follower: asyncio.Task | None) -> None:
+    """Cancel the weight follower and every group in flight, and wait until they stopped."""
+    if follower is not None:
+        follower.cancel()
+        await asyncio.gather(follower, return_exceptions=True)
+    if pool is not None:
+        await pool.close()
 
 
 async def evaluate(envs: list[tuple[str, Environment]], sampler: TokenSampler, cfg: OrchestratorConfig, version: int) -> dict:
@@ -347,11 +515,14 @@ async def evaluate(envs: list[tuple[str, Environment]], sampler: TokenSampler, c
     return row
 
 
-def resume(cfg: OrchestratorConfig, data: dict, order: ExampleOrder, sender: BatchSender, metrics: Metrics) -> tuple[int, int]:
+def resume(
+    cfg: OrchestratorConfig, data: dict, order: ExampleOrder, sender: BatchSender, metrics: Metrics
+) -> tuple[int, int, dict]:
     """Continue after trainer checkpoint N: re-send the recorded batches sampled but not yet
     trained on (with their metrics rows; re-packed if the trainer now has another number of
     ranks) and restore the data cursor. Inference serves weights/step_N. Returns (first step
-    to sample, policy version inference serves)."""
+    to sample, policy version inference serves, the cursor: the order's state and the
+    examples that were in flight, which are sampled first)."""
     step = cfg.ckpt.resume_step
     plan = plan_resume(cfg.output_dir, step, data)
     order.load_state_dict(plan.cursor)
@@ -364,7 +535,7 @@ def resume(cfg: OrchestratorConfig, data: dict, order: ExampleOrder, sender: Bat
             sender.send_frame(rank, record.step, frame)
         metrics.log(record.step, {**record.metrics, "resume/replayed": 1})
     log(f"resumed at checkpoint step {step}: re-sent {len(plan.replay)} recorded batches, sampling from step {plan.next_step}")
-    return plan.next_step, step
+    return plan.next_step, step, {"order": plan.cursor, "pending": plan.pending}
 
 
 def log(msg: str) -> None:

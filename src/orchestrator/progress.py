@@ -3,7 +3,8 @@
     rollouts/step_n/
       rank_R.msgpack    the batch for trainer rank R, exactly the frame sent (prime_rl.wire)
       progress.json     data cursor before and after step n, the examples picked, the
-                        policy versions sampled with, the step's metrics row, the data order
+                        policy versions sampled with, the step's metrics row, the data order,
+                        and (continuous batching) the examples started but in no batch yet
       STABLE            marker, written last
 
 With async_level >= 1 the orchestrator runs ahead of the trainer, so when the trainer
@@ -13,7 +14,9 @@ re-sends the recorded batches N, N+1, ... that were sampled by policy versions <
 trajectory the checkpoint is part of) and samples on from the data cursor after the last
 of them. Later records came from weights the restart discards; they are deleted, and
 their steps are sampled again from the same cursor, so the same prompts come in the same
-order. Records older than the oldest complete trainer checkpoint (minus one, whose
+order. With continuous batching the cursor also lists the examples in flight when the
+step was cut (``pending_before`` / ``pending_after``): a resume samples those first, then
+draws on. Records older than the oldest complete trainer checkpoint (minus one, whose
 cursor a resume may need) are pruned. A resume on another number of trainer ranks
 re-packs each recorded batch for them (``repacked_frames``): the same samples, balanced
 the way a fresh step is.
@@ -68,6 +71,12 @@ class StepRecord:
 
     metrics: dict = field(default_factory=dict)
 
+    pending_before: list = field(default_factory=list)
+    pending_after: list = field(default_factory=list)
+    """(environment index, example index) of the examples started but in no batch yet,
+    before and after the step (continuous batching): a resume samples them first. Empty
+    with the step barrier and in records made before this existed."""
+
     def meta(self) -> dict:
         meta = asdict(self)
         del meta["frames"]
@@ -95,6 +104,8 @@ def load_record(run_dir: Path, step: int) -> StepRecord | None:
         meta = json.loads((folder / PROGRESS_FILE).read_text())
         frames = [(folder / f"rank_{r}.msgpack").read_bytes() for r in range(meta.pop("num_ranks"))]
         meta["picks"] = [tuple(p) for p in meta["picks"]]
+        for key in ("pending_before", "pending_after"):
+            meta[key] = [tuple(p) for p in meta.get(key, [])]
         return StepRecord(frames=frames, **meta)
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ResumeError(f"unreadable orchestrator progress {folder}: {e}") from e
@@ -111,6 +122,9 @@ class ResumePlan:
     cursor: Any
     """Data order state before ``next_step``."""
 
+    pending: list = field(default_factory=list)
+    """Examples that were in flight before ``next_step``: sampled first."""
+
 
 def plan_resume(run_dir: Path, resume_step: int, data: dict) -> ResumePlan:
     """What to re-send and where to continue after a restart from checkpoint ``resume_step``.
@@ -124,12 +138,12 @@ def plan_resume(run_dir: Path, resume_step: int, data: dict) -> ResumePlan:
         replay.append(record)
         step += 1
     if record is not None:  # recorded, but sampled by weights the restart discards
-        cursor = record.cursor_before
+        cursor, pending = record.cursor_before, record.pending_before
     elif replay:
-        cursor = replay[-1].cursor_after
+        cursor, pending = replay[-1].cursor_after, replay[-1].pending_after
     elif (previous := load_record(run_dir, resume_step - 1)) is not None:
         check_compatible(previous, data, run_dir)
-        cursor = previous.cursor_after
+        cursor, pending = previous.cursor_after, previous.pending_after
     else:
         raise ResumeError(
             f"no orchestrator progress for step {resume_step} in {rollouts_dir(run_dir)} "
@@ -138,7 +152,7 @@ def plan_resume(run_dir: Path, resume_step: int, data: dict) -> ResumePlan:
     for stale in step_dirs(rollouts_dir(run_dir)):
         if stale >= step:
             remove_step_dir(rollouts_dir(run_dir), stale)
-    return ResumePlan(replay=replay, next_step=step, cursor=cursor)
+    return ResumePlan(replay=replay, next_step=step, cursor=cursor, pending=list(pending))
 
 
 def check_compatible(record: StepRecord, data: dict, run_dir: Path) -> None:

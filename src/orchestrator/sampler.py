@@ -67,7 +67,7 @@ class TokenSampler:
         )
         parsed = await self.parse_tool_calls(prompt, results, tools) if tools else [(r.text, ()) for r in results]
         return [
-            ModelReply(text, r.finish_reason, Turn(list(new), r.completion_ids, r.completion_logprobs), calls)
+            ModelReply(text, r.finish_reason, Turn(list(new), r.completion_ids, r.completion_logprobs, versions=r.versions), calls)
             for r, (text, calls) in zip(results, parsed)
         ]
 
@@ -91,7 +91,7 @@ class TokenSampler:
         (r,) = await self.client.complete_n(
             list(prompt), n=1, max_tokens=min(self.sampling.max_tokens, room), temperature=self.sampling.temperature
         )
-        return ModelReply(r.text, r.finish_reason, Turn(new, r.completion_ids, r.completion_logprobs, restart))
+        return ModelReply(r.text, r.finish_reason, Turn(new, r.completion_ids, r.completion_logprobs, restart, r.versions))
 
     async def parse_tool_calls(
         self, prompt: list[int], results: list[Completion], tools: list[dict[str, Any]]

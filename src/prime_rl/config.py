@@ -635,6 +635,15 @@ class OrchestratorConfig(StrictModel):
     async_level: int = Field(1, ge=0)
     """Batch for step n is sampled with policy version >= n - async_level (versions count optimizer steps; 0 = on-policy)."""
 
+    batching: Literal["continuous", "step"] = "continuous"
+    """`continuous`: groups of rollouts stay in flight across step boundaries, each step's batch is cut from the groups that completed first, and new weights are loaded while requests are in flight (vLLM's `/pause?mode=keep`); `step`: every step samples its own groups, all at once, and weights are reloaded between steps."""
+
+    initial_weights: Path | None = None
+    """Weights to load into inference before sampling (a server that is already up, started for another run: `prime-rl inference`): the run's model, or `weights/step_N` on a resume. None = inference starts with the run's own weights."""
+
+    max_inflight_groups: int | None = Field(None, ge=1)
+    """Most groups in flight at once with `continuous` batching; None = (async_level + 1) x the groups of one step, all that the async bound can use."""
+
     seq_len: int = Field(512, ge=8)
     """Maximum tokens (prompt + completion) per sample."""
 

@@ -55,9 +55,15 @@ class Sample(msgspec.Struct, frozen=True):
     advantage: float
     reward: float
     policy_version: int
-    """Weights step that sampled this rollout (0 = the initial model)."""
+    """Weights step that sampled this rollout (0 = the initial model); the oldest, when a
+    new policy was loaded while it was sampled (in-flight weight updates)."""
 
     example_id: int
+
+    last_policy_version: int | None = None
+    """The newest policy version among its tokens: above ``policy_version`` when a reload
+    landed mid-completion (each token's logprob is the one it was sampled with); None in
+    frames recorded before this field existed, meaning ``policy_version``."""
 
 
 class MicroBatch(msgspec.Struct, frozen=True):
@@ -86,6 +92,7 @@ def make_sample(
     reward: float,
     policy_version: int,
     example_id: int,
+    last_policy_version: int | None = None,
 ) -> Sample:
     ids = np.asarray(input_ids, dtype="<i4")
     mask = np.asarray(loss_mask, dtype=np.uint8)
@@ -100,6 +107,7 @@ def make_sample(
         reward=float(reward),
         policy_version=int(policy_version),
         example_id=int(example_id),
+        last_policy_version=int(policy_version if last_policy_version is None else last_policy_version),
     )
 
 
@@ -181,6 +189,10 @@ def _validate_sample(sample: Sample, where: str) -> None:
         raise WireError(f"{where}: a sample needs at least 2 tokens, got {n}")
     if not (math.isfinite(sample.advantage) and math.isfinite(sample.reward)):
         raise WireError(f"{where}: advantage and reward must be finite")
+    if sample.last_policy_version is not None and sample.last_policy_version < sample.policy_version:
+        raise WireError(
+            f"{where}: last_policy_version {sample.last_policy_version} is older than policy_version {sample.policy_version}"
+        )
 
 
 def _validate_values(samples: list[tuple[str, Sample]], vocab_size: int | None) -> None:

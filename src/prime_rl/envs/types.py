@@ -53,6 +53,12 @@ class Turn:
     model text does not re-tokenize to what was sampled). The rollout then trains as one
     sample per run of turns that extend each other, each exact."""
 
+    versions: tuple[int, int] = (0, 0)
+    """Policy versions that sampled ``completion_ids``: the one served when the request went
+    out and the one served when it came back. They differ when a new policy was loaded
+    while the request was in flight: its first tokens come from the older weights, the
+    rest from the newer (each token's logprob is the one it was sampled with)."""
+
 
 @dataclass(frozen=True)
 class ToolCall:
@@ -134,6 +140,13 @@ class Rollout:
 
     state: State = field(default_factory=dict, repr=False, compare=False)
     """The final state (not sent anywhere; for logs and tests)."""
+
+    @property
+    def versions(self) -> tuple[int, int]:
+        """Oldest and newest policy version among the turns' tokens ((0, 0) without turns)."""
+        if not self.turns:
+            return (0, 0)
+        return min(t.versions[0] for t in self.turns), max(t.versions[1] for t in self.turns)
 
     @property
     def completion_text(self) -> str:

@@ -1,0 +1,242 @@
+"""Continuous batching: groups of rollouts in flight across step boundaries.
+
+The pool keeps up to ``max_inflight`` groups (one example's ``rollouts_per_example``
+rollouts) in flight at all times. A group starts as soon as a slot is free and the async
+bound allows it; each step's batch is cut from the groups that completed first. So a long
+completion holds its own slot only, never the whole step, and generation goes on while the
+trainer trains and while new weights are loaded (``InferenceClient.reload_weights`` with
+``keep``).
+
+Versions. A group carries the policy version served when it started (``version``, the
+oldest of its tokens) and the newest among its tokens (``last_version``, above it when a
+reload landed while it was sampled). Step n trains on a group only if
+``version >= n - async_level``; an older group is dropped, counted and logged, never
+trained on.
+
+Admission, the async bound ahead of time: the j-th group not yet in a batch (counting the
+step's groups already cut, the completed ones and those in flight) will go to step
+``next_step + j // groups_per_step``, so it starts only when the version served now can
+train that step: ``version >= next_step + j // groups_per_step - async_level``. The
+orchestrator therefore never samples further ahead than ``async_level``; groups are
+dropped only when they complete out of order behind a weight update.
+
+Determinism, for a resume: examples are picked from the seeded order as groups start.
+``pending()`` lists the picks of the groups started but in no batch yet, in start order;
+a resume re-starts them first and then continues the order from its recorded cursor, so
+the same examples are sampled in the same order (which step each lands in depends on
+when it completes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+from prime_rl.config import FilterConfig
+from prime_rl.envs import Environment, Rollout
+
+from orchestrator.advantages import keep_groups
+from orchestrator.data import ExampleOrder
+
+
+@dataclass
+class Group:
+    seq: int
+    """Start order."""
+
+    pick: tuple[int, int]
+    """(environment index, example index)."""
+
+    version: int
+    """Policy version served when its first request went out."""
+
+    rollouts: list[tuple[str, Rollout]] = field(default_factory=list)
+    """(environment name, rollout) of each of its rollouts, once complete."""
+
+    @property
+    def last_version(self) -> int:
+        """Newest policy version among its tokens."""
+        return max([self.version, *(r.versions[1] for _, r in self.rollouts)])
+
+
+@dataclass
+class Cut:
+    """One step's groups and what it took to get them."""
+
+    groups: list[Group]
+    """In completion order."""
+
+    stale: int
+    """Groups dropped because their version is older than the step's bound."""
+
+    wait_s: float
+    """Time spent waiting for groups to complete (or for weights to admit new ones)."""
+
+    in_flight: int
+    """Groups still in flight when the batch was cut."""
+
+    filter_row: dict[str, float | int]
+
+
+class GroupPool:
+    def __init__(
+        self,
+        envs: list[tuple[str, Environment]],
+        order: ExampleOrder,
+        sampler,
+        *,
+        rollouts_per_example: int,
+        groups_per_step: int,
+        async_level: int,
+        max_inflight: int,
+        version: Callable[[], int],
+        pending: list[tuple[int, int]] = (),
+        log: Callable[[str], None] = print,
+    ):
+        self.envs, self.order, self.sampler = envs, order, sampler
+        self.n, self.k, self.async_level, self.max_inflight = rollouts_per_example, groups_per_step, async_level, max_inflight
+        self.version = version
+        """The policy version the inference server serves now."""
+        self.log = log
+        self._restart = deque(tuple(p) for p in pending)
+        """Picks to start before drawing new ones: a resumed run's groups that were in flight."""
+        self._seq = 0
+        self._in_flight: dict[int, tuple[Group, asyncio.Task]] = {}
+        self._done: deque[Group] = deque()
+        self._failure: BaseException | None = None
+        self._changed = asyncio.Event()
+
+    # ----------------------------------------------------------------------- the step's batch
+
+    async def cut(self, step: int, stall: Callable[[int], str], stall_timeout_s: float, filter: FilterConfig | None = None) -> Cut:
+        """The next ``groups_per_step`` usable groups for ``step``, in completion order; waits
+        for groups in flight, and when none is in flight and the async bound admits none,
+        for new weights (``stall(version needed)`` names them; TimeoutError after
+        ``stall_timeout_s``). With an enabled ``filter``, groups it rejects are dropped while
+        its ``max_extra_examples`` allow, then accepted."""
+        start = time.perf_counter()
+        taken: list[Group] = []
+        stale = rejected = topped_up = 0
+        rewards: list[float] = []
+        bound = step - self.async_level
+        while True:
+            self._raise_failure()
+            while self._done and len(taken) < self.k:
+                group = self._done.popleft()
+                if group.version < bound:
+                    stale += 1
+                    self.log(f"step {step}: dropped a group of policy version {group.version} (async_level "
+                             f"{self.async_level} allows >= {bound}); it is not trained on")
+                    continue
+                group_rewards = [r.reward for _, r in group.rollouts]
+                rewards += group_rewards
+                if filter is not None and filter.enabled and not self._keeps(group_rewards, filter):
+                    if rejected < filter.max_extra_examples:
+                        rejected += 1
+                        continue
+                    topped_up += 1
+                taken.append(group)
+            if len(taken) == self.k:
+                break
+            self._admit(step, len(taken))
+            if self._in_flight:
+                await self._wait_changed(None)
+            else:
+                await self.wait_for_version(bound, stall, stall_timeout_s)
+        self._admit(step + 1, 0)  # keep generating while the trainer trains this step
+        row = {}
+        if filter is not None and filter.enabled:
+            row = {
+                "filter/dropped_frac": rejected / (len(taken) + rejected),
+                "filter/extra_rollouts": rejected * self.n,
+                "filter/topped_up": topped_up,
+                "filter/sampled_reward_mean": float(np.mean(rewards)),
+            }
+        return Cut(taken, stale, time.perf_counter() - start, len(self._in_flight), row)
+
+    def pending(self) -> list[tuple[int, int]]:
+        """Picks of the groups started but in no batch yet (completed or in flight), in start
+        order, then those still waiting to be restarted: what a resume samples first."""
+        groups = sorted([*self._done, *(group for group, _ in self._in_flight.values())], key=lambda g: g.seq)
+        return [group.pick for group in groups] + list(self._restart)
+
+    def notify(self) -> None:
+        """The served version changed: the async bound may admit more groups."""
+        self._changed.set()
+
+    def fail(self, error: BaseException) -> None:
+        """Something the pool's batches depend on failed (the weight follower): the next or
+        current ``cut`` raises it."""
+        self._failure = self._failure or error
+        self._changed.set()
+
+    async def close(self) -> None:
+        """Cancel every group in flight and wait until each has stopped (its requests
+        aborted, a worker's episodes cancelled): nothing keeps running after the run."""
+        tasks = [task for _, task in self._in_flight.values()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._in_flight.clear()
+
+    # ----------------------------------------------------------------------- internals
+
+    def _keeps(self, rewards: list[float], f: FilterConfig) -> bool:
+        return bool(keep_groups(rewards, self.n, f.drop_equal_rewards, f.min_mean_reward, f.max_mean_reward)[0])
+
+    def _admit(self, next_step: int, taken: int) -> None:
+        """Start groups while a slot is free and the version served now may train the step
+        each new group would land in."""
+        j = taken + len(self._done) + len(self._in_flight)
+        while len(self._in_flight) < self.max_inflight and self.version() >= next_step + j // self.k - self.async_level:
+            self._start(self._restart.popleft() if self._restart else self.order.next(1)[0])
+            j += 1
+
+    def _start(self, pick: tuple[int, int]) -> None:
+        group = Group(self._seq, pick, self.version())
+        self._seq += 1
+        name, env = self.envs[pick[0]]
+        task = asyncio.create_task(env.rollout_group(self.sampler, env.dataset[pick[1]], self.n))
+        self._in_flight[group.seq] = (group, task)
+        task.add_done_callback(lambda t, g=group, name=name: self._finished(g, name, t))
+
+    def _finished(self, group: Group, name: str, task: asyncio.Task) -> None:
+        self._in_flight.pop(group.seq, None)
+        if task.cancelled():
+            return
+        if (error := task.exception()) is not None:
+            self.fail(error)
+            return
+        rollouts = task.result()
+        if len(rollouts) != self.n:
+            self.fail(RuntimeError(f"environment {name!r} returned {len(rollouts)} rollouts for a group of {self.n}"))
+            return
+        group.rollouts = [(name, rollout) for rollout in rollouts]
+        self._done.append(group)
+        self._changed.set()
+
+    def _raise_failure(self) -> None:
+        if self._failure is not None:
+            raise self._failure
+
+    async def _wait_changed(self, timeout_s: float | None) -> bool:
+        """Wait until a group completes, the version changes or something failed; False on timeout."""
+        self._changed.clear()
+        try:
+            await asyncio.wait_for(self._changed.wait(), timeout_s)
+            return True
+        except TimeoutError:
+            return False
+
+    async def wait_for_version(self, needed: int, stall: Callable[[int], str], timeout_s: float) -> None:
+        """Return once the server serves version ``needed`` or newer; TimeoutError(``stall(needed)``)
+        after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while self.version() < needed:
+            self._raise_failure()
+            if not await self._wait_changed(max(0.0, deadline - time.monotonic())) and self.version() < needed:
+                raise TimeoutError(stall(needed))

@@ -1,0 +1,242 @@
+"""Continuous batching (orchestrator.inflight): groups in flight across step boundaries, the
+per-group async bound, and what a resume needs, on environments whose groups complete when
+the test says so."""
+
+import asyncio
+
+import pytest
+from prime_rl.config import FilterConfig
+from prime_rl.envs import Example, Rollout, Turn
+
+from orchestrator.data import ExampleOrder
+from orchestrator.inflight import GroupPool
+
+N = 2  # rollouts per example
+
+
+class GatedEnv:
+    """Each example's group completes once the test opens its gate; its rollouts' tokens are
+    labelled with the versions the test sets (as the sampler labels them)."""
+
+    def __init__(self, size=100):
+        self.dataset = [Example(i, [{"role": "user", "content": str(i)}]) for i in range(size)]
+        self.gates: dict[int, asyncio.Event] = {}
+        self.started: list[int] = []
+        self.cancelled: list[int] = []
+        self.rewards: dict[int, list[float]] = {}
+        self.versions = (0, 0)
+        self.fail_on: int | None = None
+
+    def gate(self, example_id):
+        return self.gates.setdefault(example_id, asyncio.Event())
+
+    async def rollout_group(self, sampler, example, n):
+        self.started.append(example.id)
+        try:
+            await self.gate(example.id).wait()
+        except asyncio.CancelledError:
+            self.cancelled.append(example.id)
+            raise
+        if example.id == self.fail_on:
+            raise RuntimeError(f"example {example.id} failed")
+        rewards = self.rewards.get(example.id, [float(i) for i in range(n)])
+        return [Rollout(example.id, [Turn([1, 2], [3], [-0.5], versions=self.versions)], rewards[i]) for i in range(n)]
+
+
+class Version:
+    def __init__(self):
+        self.value = 0
+
+    def __call__(self):
+        return self.value
+
+
+def make_pool(env, version, *, k=2, async_level=1, max_inflight=8, pending=(), logs=None):
+    order = ExampleOrder([len(env.dataset)], seed=0)
+    pool = GroupPool(
+        [("env", env)], order, sampler=None, rollouts_per_example=N, groups_per_step=k, async_level=async_level,
+        max_inflight=max_inflight, version=version, pending=list(pending),
+        log=(logs.append if logs is not None else lambda _: None),
+    )
+    return pool, ExampleOrder([len(env.dataset)], seed=0)
+
+
+def stall(needed):
+    return f"no weights/step_{needed}"
+
+
+async def settle():
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+def examples(groups):
+    return [group.pick[1] for group in groups]
+
+
+def test_the_step_is_cut_from_the_groups_that_complete_first():
+    """A slow group holds its own slot only: the step's batch is the first two to complete,
+    and the slow one goes on in flight into the next step."""
+
+    async def go():
+        env, version = GatedEnv(), Version()
+        pool, reference = make_pool(env, version)
+        first = reference.next(4)  # version 0, async_level 1: steps 0 and 1 may start: 4 groups
+        cutting = asyncio.create_task(pool.cut(0, stall, 5))
+        await settle()
+        assert env.started == [i for _, i in first]
+        env.gate(first[2][1]).set()
+        env.gate(first[1][1]).set()
+        cut = await cutting
+        assert examples(cut.groups) == [first[2][1], first[1][1]] and cut.stale == 0
+        assert cut.in_flight == 2 and pool.pending() == [first[0], first[3]]
+        await pool.close()
+        assert sorted(env.cancelled) == sorted([first[0][1], first[3][1]])
+
+    asyncio.run(go())
+
+
+def test_the_async_bound_admits_groups_only_for_steps_the_served_version_may_train():
+    async def go():
+        env, version = GatedEnv(), Version()
+        pool, reference = make_pool(env, version, k=2, async_level=1, max_inflight=100)
+        picks = reference.next(8)
+        cutting = asyncio.create_task(pool.cut(0, stall, 5))
+        await settle()
+        assert len(env.started) == 4  # steps 0 and 1 with version 0; not step 2
+        for _, i in picks[:2]:
+            env.gate(i).set()
+        await cutting  # step 0 cut: still only steps 0 and 1 (2 in flight) + nothing new
+        await settle()
+        assert len(env.started) == 4
+        version.value = 1  # the trainer's weights after step 0 are loaded: step 2 may start
+        pool.notify()
+        cutting = asyncio.create_task(pool.cut(1, stall, 5))
+        await settle()
+        assert env.started == [i for _, i in picks[:6]]
+        cutting.cancel()
+        await pool.close()
+
+    asyncio.run(go())
+
+
+def test_a_group_older_than_the_bound_is_dropped_counted_logged_and_never_trained():
+    async def go():
+        env, version, logs = GatedEnv(), Version(), []
+        pool, reference = make_pool(env, version, k=1, async_level=1, max_inflight=3, logs=logs)
+        picks = reference.next(6)
+        cutting = asyncio.create_task(pool.cut(0, stall, 5))
+        await settle()
+        slow = picks[0][1]  # started with version 0; it completes only when step 2 is cut
+        env.gate(picks[1][1]).set()
+        assert examples((await cutting).groups) == [picks[1][1]]
+        version.value = 1
+        pool.notify()
+        env.gate(picks[2][1]).set()
+        assert examples((await pool.cut(1, stall, 5)).groups) == [picks[2][1]]
+        version.value = 2
+        pool.notify()
+        cutting = asyncio.create_task(pool.cut(2, stall, 5))
+        await settle()
+        env.gate(slow).set()  # version 0 < 2 - 1: too old for step 2
+        await settle()
+        later = [i for _, i in picks[3:] if i in env.started]
+        env.gate(later[0]).set()
+        cut = await cutting
+        assert cut.stale == 1 and slow not in examples(cut.groups) and examples(cut.groups) == [later[0]]
+        assert all(group.version >= 1 for group in cut.groups)
+        assert any("policy version 0" in line and "not trained on" in line for line in logs), logs
+        await pool.close()
+
+    asyncio.run(go())
+
+
+def test_a_group_spanning_a_reload_carries_both_versions():
+    async def go():
+        env, version = GatedEnv(), Version()
+        pool, reference = make_pool(env, version, k=1, async_level=1, max_inflight=1)
+        (pick,) = reference.next(1)
+        cutting = asyncio.create_task(pool.cut(0, stall, 5))
+        await settle()
+        env.versions = (0, 1)  # a reload landed while its requests were in flight
+        env.gate(pick[1]).set()
+        (group,) = (await cutting).groups
+        assert (group.version, group.last_version) == (0, 1)
+        await pool.close()
+
+    asyncio.run(go())
+
+
+def test_a_resumed_pool_restarts_the_pending_examples_first_then_draws_on():
+    async def go():
+        env, version = GatedEnv(), Version()
+        pool, reference = make_pool(env, version, k=2, async_level=0, max_inflight=4)
+        picks = reference.next(4)
+        cutting = asyncio.create_task(pool.cut(0, stall, 5))
+        await settle()
+        env.gate(picks[1][1]).set()
+        env.gate(picks[0][1]).set()
+        await cutting
+        pending, state = pool.pending(), pool.order.state_dict()
+        await pool.close()
+        assert pending == []  # async_level 0: nothing for step 1 starts before version 1
+
+        version.value = 1
+        pool.notify()
+        pool2_env = GatedEnv()
+        pool2, _ = make_pool(pool2_env, version, k=2, async_level=1, max_inflight=3, pending=[picks[0]])
+        pool2.order.load_state_dict(state)
+        cutting = asyncio.create_task(pool2.cut(1, stall, 5))
+        await settle()
+        assert pool2_env.started == [picks[0][1], picks[2][1], picks[3][1]]
+        cutting.cancel()
+        await pool2.close()
+
+    asyncio.run(go())
+
+
+def test_nothing_in_flight_and_an_old_policy_waits_for_weights_then_times_out_naming_them():
+    async def go():
+        env, version = GatedEnv(), Version()
+        pool, _ = make_pool(env, version, k=1, async_level=0)
+        with pytest.raises(TimeoutError, match="no weights/step_3"):
+            await pool.cut(3, stall, 0.2)
+        assert env.started == []
+        await pool.close()
+
+    asyncio.run(go())
+
+
+def test_a_failing_group_fails_the_cut_and_close_stops_the_rest():
+    async def go():
+        env, version = GatedEnv(), Version()
+        pool, reference = make_pool(env, version, k=2, async_level=0, max_inflight=2)
+        picks = reference.next(2)
+        env.fail_on = picks[0][1]
+        cutting = asyncio.create_task(pool.cut(0, stall, 5))
+        await settle()
+        env.gate(picks[0][1]).set()
+        with pytest.raises(RuntimeError, match=f"example {picks[0][1]} failed"):
+            await cutting
+        await pool.close()
+        assert env.cancelled == [picks[1][1]]
+
+    asyncio.run(go())
+
+
+def test_the_filter_drops_groups_without_signal_up_to_its_cap():
+    async def go():
+        env, version = GatedEnv(), Version()
+        pool, reference = make_pool(env, version, k=1, async_level=0, max_inflight=1)
+        picks = reference.next(3)
+        for _, i in picks[:2]:
+            env.rewards[i] = [1.0, 1.0]  # equal rewards: nothing to learn
+        for _, i in picks:
+            env.gate(i).set()
+        f = FilterConfig(enabled=True, max_extra_examples=1)
+        cut = await pool.cut(0, stall, 5, f)
+        assert examples(cut.groups) == [picks[1][1]]  # the first dropped, the second kept at the cap
+        assert cut.filter_row["filter/extra_rollouts"] == N and cut.filter_row["filter/topped_up"] == 1
+        await pool.close()
+
+    asyncio.run(go())

@@ -1,0 +1,193 @@
+"""In-flight weight updates on the real vLLM engine: a reload that lands mid-completion, and
+the prefix cache across policy versions (one vLLM server for the module)."""
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from prime_rl.config import ClientConfig, LossConfig
+from prime_rl.envs import Rollout, Turn
+from prime_rl.wire import decode_batch, encode_batch, sample_arrays
+
+from orchestrator.batch import ScoredRollout, pack_batches
+from orchestrator.client import FULL_DISTRIBUTION, InferenceClient, cache_salt
+from trainer.loss import policy_loss
+
+from helpers import REPO, free_port, new_tag, tagged_processes
+from test_inference_auth import stop_process_group
+
+PROMPT = [257, *b"user\nsay something long", 258, 257, *b"assistant\n"]
+LONG = 400  # tokens of the completion a reload interrupts
+SEQ_LEN = 512
+
+
+@pytest.fixture(scope="module")
+def other_weights(tmp_path_factory):
+    """The tiny model's architecture with other weights (seed 1): the "new policy"."""
+    out = tmp_path_factory.mktemp("models") / "tiny-seed1"
+    subprocess.run([sys.executable, str(REPO / "scripts" / "build_tiny_model.py"), str(out), "--seed", "1"],
+                   check=True, capture_output=True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, tmp_path_factory):
+    root = tmp_path_factory.mktemp("vllm")
+    port, tag = free_port(), new_tag()
+    config = root / "inference.json"
+    config.write_text(json.dumps({"model": str(tiny_model), "port": port, "seq_len": SEQ_LEN, "max_num_seqs": 8}))
+    log = (root / "inference.log").open("w")
+    proc = subprocess.Popen([sys.executable, "-m", "inference.server", "--config", str(config)], stdout=log,
+                            stderr=subprocess.STDOUT, env={**os.environ, "PRIME_RL_TEST_TAG": tag}, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+
+    async def healthy():
+        client = InferenceClient(ClientConfig(base_url=url, timeout_s=60), str(tiny_model))
+        try:
+            await client.wait_healthy(timeout_s=300, poll_s=1)
+        finally:
+            await client.close()
+
+    try:
+        asyncio.run(healthy())
+        yield url
+    finally:
+        stop_process_group(proc)
+        log.close()
+        assert tagged_processes(tag) == [], "vLLM's engine process must stop with the server"
+
+
+def stream_body(model, max_tokens, salt, prompt=PROMPT):
+    return {
+        "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 1.0, **FULL_DISTRIBUTION,
+        "logprobs": 0, "return_token_ids": True, "ignore_eos": True, "stream": True, "cache_salt": salt,
+    }
+
+
+async def streamed_completion(http, model, max_tokens, salt, started: asyncio.Event, after_tokens: int, prompt=PROMPT):
+    """(token ids, logprobs, tokens received before ``started`` was set) of one streamed completion."""
+    ids, logprobs, before = [], [], None
+    async with http.stream("POST", "/v1/completions", json=stream_body(model, max_tokens, salt, prompt)) as response:
+        assert response.status_code == 200, await response.aread()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            choice = json.loads(line[6:])["choices"][0]
+            ids += choice.get("token_ids") or []
+            logprobs += (choice.get("logprobs") or {}).get("token_logprobs") or []
+            if len(ids) >= after_tokens and not started.is_set():
+                before = len(ids)
+                started.set()
+    return ids, logprobs, before
+
+
+def hf_logprobs(model_dir, prompt, completion):
+    """Logprob of each completion token under the model in ``model_dir`` (float32, temperature 1)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    ids = torch.tensor([prompt + completion])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1 : -1]
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(completion)[:, None])[:, 0].numpy()
+
+
+def test_a_reload_mid_completion_trains_each_token_on_the_logprob_it_was_sampled_with(server, tiny_model, other_weights):
+    """A 400-token completion, new weights loaded after its first 40 tokens (keep: the
+    sequence is frozen, not dropped): its first tokens carry the old policy's logprobs, its
+    last ones the new policy's, the sample records both versions, and the loss's importance
+    ratio uses each token's own sampled logprob."""
+
+    async def go():
+        client = InferenceClient(ClientConfig(base_url=server, timeout_s=120), str(tiny_model))
+        http = httpx.AsyncClient(base_url=server, timeout=120)
+        started = asyncio.Event()
+        try:
+            completion = asyncio.ensure_future(streamed_completion(http, str(tiny_model), LONG, cache_salt(0), started, 40))
+            await started.wait()
+            client.replicas[0].in_flight += 1  # the stream above is this client's request in flight
+            await client.reload_weights(other_weights, 1, keep=True)
+            client.replicas[0].in_flight -= 1
+            ids, logprobs, before = await completion
+            await client.reload_weights(tiny_model, 0)  # the module's server serves the tiny model again
+            return ids, logprobs, before
+        finally:
+            await http.aclose()
+            await client.close()
+
+    ids, logprobs, before = asyncio.run(go())
+    assert len(ids) == LONG == len(logprobs)
+    old = hf_logprobs(tiny_model, PROMPT, ids)
+    sampled = np.asarray(logprobs, dtype=np.float32)
+    gap = np.abs(sampled - old)
+    # Tokens out before the reload began are the old policy's; the last ones are not.
+    assert gap[:before].max() < 2e-3, gap[:before]
+    switch = int(np.argmax(gap > 1e-2))
+    assert before <= switch < LONG - 100, (before, switch)
+    assert gap[-100:].mean() > 0.05, gap[-100:]
+
+    # The sample records both versions and every token's own logprob; the loss uses them.
+    rollout = Rollout(0, [Turn(PROMPT, ids, logprobs, versions=(0, 1))], reward=1.0)
+    scored = ScoredRollout(rollout, 1.0, rollout.versions[0], "x", rollout.versions[1])
+    (batch,) = pack_batches([scored], step=1, num_ranks=1, micro_batch_size=1, temperature=1.0, seq_len=SEQ_LEN)
+    (sample,) = decode_batch(encode_batch(batch)).micro_batches[0].samples
+    assert (sample.policy_version, sample.last_policy_version) == (0, 1)
+    _, mask, inference = sample_arrays(sample)
+    np.testing.assert_array_equal(inference[mask], sampled)
+    trainer = torch.tensor(old)[None]  # a trainer holding the old weights, for the hand check
+    _, stats = policy_loss(trainer, torch.tensor(sampled)[None], torch.ones(1), torch.ones(1, LONG, dtype=torch.bool),
+                           LossConfig(), LONG)
+    log_ratio = np.clip(old - sampled, -LossConfig().log_ratio_clamp, LossConfig().log_ratio_clamp)
+    k3 = np.exp(log_ratio) - 1 - log_ratio
+    assert float(stats["mismatch_kl_sum"]) == pytest.approx(float(k3.sum()), rel=1e-4)
+    assert k3[:before].sum() < 1e-4 < k3[switch:].sum()
+
+
+def prefix_cache_hits(url) -> float:
+    text = httpx.get(f"{url}/metrics").text
+    lines = [line for line in text.splitlines() if line.startswith("vllm:prefix_cache_hits")]
+    assert lines, "vLLM exposes no prefix-cache counter"
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines)
+
+
+def test_the_prefix_cache_never_serves_kv_across_policy_versions(server, tiny_model, other_weights):
+    """A request of version 0 reuses the prompt blocks an earlier one of version 0 computed; a
+    request of version 1 (salted with its version, as the client sends it) does not, while a
+    sequence of version 0 that holds those blocks stays frozen in the engine across the
+    reload (the cache cannot be reset then)."""
+
+    prompt = PROMPT * 6  # a few KV blocks
+
+    async def go():
+        client = InferenceClient(ClientConfig(base_url=server, timeout_s=120), str(tiny_model))
+        http = httpx.AsyncClient(base_url=server, timeout=120)
+        started = asyncio.Event()
+        try:
+            await client.complete_n(prompt, n=1, max_tokens=2, temperature=1.0)
+            first = prefix_cache_hits(server)
+            await client.complete_n(prompt, n=1, max_tokens=2, temperature=1.0)
+            same_version = prefix_cache_hits(server) - first
+            holder = asyncio.ensure_future(streamed_completion(http, str(tiny_model), 300, cache_salt(0), started, 20, prompt))
+            await started.wait()  # in flight: it holds version 0's blocks of the prompt
+            client.replicas[0].in_flight += 1
+            await client.reload_weights(other_weights, 1, keep=True)
+            client.replicas[0].in_flight -= 1
+            before = prefix_cache_hits(server)
+            await client.complete_n(prompt, n=1, max_tokens=2, temperature=1.0)
+            new_version = prefix_cache_hits(server) - before
+            _, _, _ = await holder
+            await client.reload_weights(tiny_model, 0)
+            return same_version, new_version
+        finally:
+            await http.aclose()
+            await client.close()
+
+    same_version, new_version = asyncio.run(go())
+    assert same_version > 0, same_version  # the cache works: version 0 reused its blocks
+    assert new_version == 0, new_version
