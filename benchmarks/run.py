@@ -286,6 +286,9 @@ def write_results_md(results: Path) -> Path:
         if "scaling" in data:
             lines += _scaling_table(data["scaling"])
             continue
+        if "lines" in data:  # a part that renders its own section (benchmarks/packing.py)
+            lines += [*data["lines"], ""]
+            continue
         systems = list(data["figures"])
         lines += ["| figure | " + " | ".join(systems) + " |", "|---|" + "---|" * len(systems)]
         for key in data["figures"][systems[0]]:

@@ -65,7 +65,7 @@ from prime_rl.rundir import (
 )
 from prime_rl.settings import load_config
 from prime_rl.wire import SCHEMA_VERSION, MicroBatch, Sample, TrainBatch, decode_batch
-from trainer.model import World, load_model, setup_world, shared_prefix_support, teardown_world
+from trainer.model import World, load_model, packing_support, setup_world, shared_prefix_support, teardown_world
 from trainer.optim import build_optimizer
 from trainer.rl import all_reduce, train_step
 
@@ -328,6 +328,8 @@ def replay(args: argparse.Namespace, run_dir: Path, device: str, dtype: str) -> 
         model = load_model(cfg.model, world, cfg.lora)
         if cfg.share_prefix and shared_prefix_support(model):
             cfg = cfg.model_copy(update={"share_prefix": False})  # as trainer.rl.train decides it
+        if cfg.pack and packing_support(model):
+            cfg = cfg.model_copy(update={"pack": False})  # as trainer.rl.train decides it
         params = sum(p.numel() for p in model.parameters())  # DTensor.numel() is the global count
         optimizer, scheduler = build_optimizer(model, cfg.optim)
         steps = complete_steps(rollouts_dir(run_dir))

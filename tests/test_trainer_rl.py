@@ -18,6 +18,7 @@ import zmq
 from helpers import REPO, free_port, free_port_pair
 
 from prime_rl.config import LoraConfig, TransportConfig
+from prime_rl.heartbeat import heartbeat_path, read_heartbeat
 from prime_rl.rundir import MARKER, complete_steps, read_jsonl, weights_dir
 from prime_rl.wire import SCHEMA_VERSION, MicroBatch, TrainBatch, encode_batch, make_sample
 from trainer.data import BatchReceiver, collate
@@ -143,6 +144,8 @@ def test_rl_trainer_process_trains_and_publishes_weights(tiny_model, tmp_path):
     assert "inconsistent lengths" in rejected[3]
 
     assert complete_steps(weights_dir(run)) == [1, 2]
+    beat = read_heartbeat(heartbeat_path(run, "trainer"))  # what the launcher's watchdog reads
+    assert (beat.progress, beat.waiting_for) == ("trained step 1", None)
     for step in (1, 2):
         assert (weights_dir(run) / f"step_{step}" / MARKER).is_file()
     initial = AutoModelForCausalLM.from_pretrained(tiny_model).state_dict()

@@ -93,6 +93,12 @@ class ModelConfig(StrictModel):
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Parameter dtype on the trainer; float32 on CPU, bfloat16 on GPUs."""
 
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] | None = None
+    """Attention of the trainer's model; None = transformers' default (sdpa). `flash_attention_2`
+    (CUDA) runs packed rows through its variable-length kernel, without padding or a mask; it
+    needs `uv pip install flash-attn --no-build-isolation` after the CUDA sync (PyPI ships it
+    as a source package that builds against the installed torch)."""
+
 
 class SamplingConfig(StrictModel):
     max_tokens: int = Field(128, ge=1)
@@ -490,6 +496,13 @@ class TrainerConfig(StrictModel):
     """Run the prompt a group's rollouts share once, not once per rollout (`trainer.packing`;
     same logprobs and gradients to float rounding). Off by itself for models whose attention
     takes no custom mask or that have sliding-window layers."""
+
+    pack: bool = True
+    """Pack several samples (and shared-prefix groups) into each model row, each attending only
+    to itself, so the trainer computes (almost) no padding (`trainer.packing`; same logprobs and
+    gradients to float rounding). Off: one row per sample or group, right-padded. Off by itself
+    for models whose attention takes no custom mask or that have sliding-window layers, unless
+    they run flash-attention's variable-length kernel."""
 
     max_nonfinite_steps: int = Field(3, ge=1)
     """A step with a non-finite loss or gradient is skipped; this many in a row stop the run."""

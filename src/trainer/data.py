@@ -23,7 +23,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from prime_rl.config import TransportConfig
 from prime_rl.wire import DEFAULT_MAX_FRAME_BYTES, MicroBatch, TrainBatch, WireError, decode_batch, sample_arrays
-from trainer.packing import attention_allowed, lay_out, plan_rows
+from trainer.packing import Layout, attention_allowed, lay_out, plan_blocks, plan_rows, row_budget, varlen_boundaries
 
 
 # Socket events that mean libzmq dropped the connection to the orchestrator, or failed its
@@ -150,10 +150,12 @@ class BatchReceiver:
 class MicroTensors:
     """One micro-batch: B samples right-padded to T positions, and the rows the model runs.
 
-    The model rows are the samples themselves (right-padded, ``model_mask`` [R, L] 1 on real
-    tokens) or, with shared prefixes, fewer and longer rows (``model_mask`` [R, 1, L, L]
-    bool, query by key; see ``trainer.packing``). ``source`` maps each sample position to
-    the model position that holds its token, so the logits there score the next one.
+    The model rows (``trainer.packing``) are the samples themselves (right-padded,
+    ``model_mask`` [R, L] 1 on real tokens), or rows that each hold several blocks (samples,
+    shared-prefix groups) back to back (``model_mask`` [R, 1, L, L] bool, query by key), or,
+    for the variable-length kernel, one unpadded row (``model_mask`` None, the blocks'
+    boundaries in ``cu_seqlens``). ``source`` maps each sample position to the model
+    position that holds its token, so the logits there score the next one.
     """
 
     input_ids: torch.Tensor  # [B, T] int64, pad_id after each sample's end
@@ -163,10 +165,12 @@ class MicroTensors:
     advantages: torch.Tensor  # [B] float32
     num_truncated: int  # samples cut to seq_len
     model_ids: torch.Tensor  # [R, L] int64
-    model_positions: torch.Tensor  # [R, L] int64
-    model_mask: torch.Tensor  # [R, L] int64, or [R, 1, L, L] bool with shared prefixes
+    model_positions: torch.Tensor  # [R, L] int64, restarting at 0 with every sample
+    model_mask: torch.Tensor | None  # [R, L] int64, or [R, 1, L, L] bool, or None (varlen)
     source: torch.Tensor  # [B, T] int64, flat index into R * L
     num_model_tokens: int  # tokens the model computes (a shared prefix once), padding excluded
+    cu_seqlens: torch.Tensor | None = None  # [S + 1] int32 block boundaries of the varlen row
+    max_seqlen: int = 0  # longest block of the varlen row
 
     @property
     def num_real_tokens(self) -> int:
@@ -181,18 +185,25 @@ def right_pad(rows: list[np.ndarray], fill, dtype) -> np.ndarray:
     return out
 
 
-def collate(micro: MicroBatch, seq_len: int, pad_id: int, device: torch.device, share_prefix: bool = False) -> MicroTensors:
+def collate(
+    micro: MicroBatch, seq_len: int, pad_id: int, device: torch.device,
+    share_prefix: bool = False, pack: bool = False, varlen: bool = False,
+) -> MicroTensors:
     """Right-pad a micro-batch's samples into tensors (samples longer than seq_len are cut),
-    and lay out the model rows: one per sample, or shared prefixes where they pay
-    (``share_prefix``, ``trainer.packing``)."""
+    and lay out the model rows (``trainer.packing``): blocks (shared prefixes where they pay,
+    with ``share_prefix``), one per row or packed (``pack``), for a mask or for the
+    variable-length kernel (``varlen``: one unpadded row, no shared prefix, no mask)."""
     arrays = [sample_arrays(s) for s in micro.samples]
     ids, masks, logprobs = ([a[i][:seq_len] for a in arrays] for i in range(3))
-    layout = lay_out(ids, plan_rows(ids, masks, share_prefix), pad_id)
-    model_mask = attention_allowed(layout.segments) if layout.shared else (layout.segments >= 0).astype(np.int64)
+    varlen = varlen and pack
+    blocks = plan_blocks(ids, masks, share_prefix and not varlen)
+    sizes = [b.length([len(x) for x in ids]) for b in blocks]
+    layout = lay_out(ids, blocks, plan_rows(sizes, row_budget(sizes, pack, varlen)), pad_id)
 
     def tensor(a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(a).to(device)
 
+    boundaries = varlen_boundaries(layout) if varlen else None
     return MicroTensors(
         input_ids=tensor(right_pad(ids, pad_id, np.int64)),
         attention_mask=tensor(right_pad([np.ones(len(r)) for r in ids], 0, np.int64)),
@@ -202,7 +213,17 @@ def collate(micro: MicroBatch, seq_len: int, pad_id: int, device: torch.device, 
         num_truncated=sum(len(a[0]) > seq_len for a in arrays),
         model_ids=tensor(layout.ids),
         model_positions=tensor(layout.positions),
-        model_mask=tensor(model_mask),
+        model_mask=None if varlen else tensor(model_mask(layout)),
         source=tensor(layout.source),
         num_model_tokens=int((layout.segments >= 0).sum()),
+        cu_seqlens=None if boundaries is None else tensor(boundaries),
+        max_seqlen=0 if boundaries is None else int(np.diff(boundaries).max()),
     )
+
+
+def model_mask(layout: Layout) -> np.ndarray:
+    """[R, L] int64 padding mask when every row holds one plain sample (the attention's own
+    causal mask does the rest), else the [R, 1, L, L] bool block mask."""
+    if layout.shared or layout.packed:
+        return attention_allowed(layout.blocks, layout.segments)
+    return (layout.segments >= 0).astype(np.int64)

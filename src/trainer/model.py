@@ -64,7 +64,8 @@ def load_model(cfg: ModelConfig, world: World, lora: LoraConfig | None = None) -
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # a progress bar per load is noise in a process log
-    model = AutoModelForCausalLM.from_pretrained(cfg.name, dtype=DTYPES[cfg.dtype])
+    attn = {} if cfg.attn_implementation is None else {"attn_implementation": cfg.attn_implementation}
+    model = AutoModelForCausalLM.from_pretrained(cfg.name, dtype=DTYPES[cfg.dtype], **attn)
     model.config.use_cache = False  # training never decodes; the KV cache only costs memory
     if lora is not None:
         from trainer.lora import add_lora
@@ -99,15 +100,21 @@ def shard_model(model: nn.Module) -> None:
 
 
 def forward_logits(
-    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor | None = None
+    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+    position_ids: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None, max_seqlen: int = 0,
 ) -> torch.Tensor:
     """[R, L] ids -> logits [R, L, V].
 
-    ``attention_mask`` is [R, L] (1 on real tokens of right-padded rows) or [R, 1, L, L]
-    bool (query by key, for shared-prefix rows; passed to the attention as an additive
-    bias). Position ids default to 0..len-1 over real tokens, so a sample's logits do not
+    ``attention_mask`` is [R, L] (1 on real tokens of right-padded rows), [R, 1, L, L] bool
+    (query by key, for packed and shared-prefix rows; passed to the attention as an additive
+    bias), or None with ``cu_seqlens`` [S + 1] int32: one unpadded row of S sequences back
+    to back for flash-attention's variable-length kernel (``trainer.packing``), which builds
+    no mask. Position ids default to 0..len-1 over real tokens, so a sample's logits do not
     depend on how it is padded; pad positions' logits are never used.
     """
+    if cu_seqlens is not None:
+        out = model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **varlen_kwargs(cu_seqlens, max_seqlen))
+        return out.logits
     if position_ids is None:
         position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
     if attention_mask.dim() == 4:
@@ -117,6 +124,23 @@ def forward_logits(
         )
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
     return out.logits
+
+
+def varlen_kwargs(cu_seqlens: torch.Tensor, max_seqlen: int) -> dict:
+    """What transformers' flash-attention path takes for packed rows (``FlashAttentionKwargs``;
+    ``_flash_attention_forward`` then calls ``flash_attn_varlen_func`` on them). Queries and
+    keys are the same tokens, so their boundaries are the same; the longest sequence is an
+    int, so the kernel call needs no device-to-host sync."""
+    return {"cu_seq_lens_q": cu_seqlens, "cu_seq_lens_k": cu_seqlens, "max_length_q": max_seqlen, "max_length_k": max_seqlen}
+
+
+VARLEN_ATTENTION = ("flash_attention_2", "flash_attention_3")
+"""Attention implementations with a variable-length kernel: packed rows need no mask."""
+
+
+def uses_varlen(model: nn.Module) -> bool:
+    """Whether the model's attention runs packed rows through the variable-length kernel."""
+    return getattr(model.config, "_attn_implementation", None) in VARLEN_ATTENTION
 
 
 def shared_prefix_support(model: nn.Module) -> str | None:
@@ -130,3 +154,10 @@ def shared_prefix_support(model: nn.Module) -> str | None:
     if getattr(config, "use_sliding_window", False) or any(t != "full_attention" for t in layer_types):
         return "the model has sliding-window layers"
     return None
+
+
+def packing_support(model: nn.Module) -> str | None:
+    """Why this model cannot run packed rows, or None if it can: the variable-length kernel
+    takes them as they are (sliding windows included); otherwise they need a custom mask,
+    as shared prefixes do."""
+    return None if uses_varlen(model) else shared_prefix_support(model)

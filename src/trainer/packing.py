@@ -1,26 +1,47 @@
-"""How a micro-batch's samples become model rows: right-padded, or with shared prefixes.
+"""How a micro-batch's samples become model rows: packed back to back, with shared prefixes.
 
-The rollouts of a group start with the same prompt and differ only after it. Laid out
-one per row, the trainer runs that prompt through the model once per rollout; on the
-quickstart (74-token prompts, 6-token completions, groups of 8) that is 90% of the
-tokens it computes. A shared-prefix row holds the prompt once and then each rollout's
-own tokens one after another:
+A row of the model holds several sequences one after another, each a *block*: a plain
+sample, or a group's shared prompt followed by each rollout's own tokens (a shared-prefix
+block). A token attends only to earlier tokens of its own block, and within a shared-prefix
+block only to the prefix and its own rollout's tokens; position ids restart at 0 with every
+sample, so each token's position is what it would be in a row of its own:
 
-    row:       p0 p1 p2 | a0 a1 | b0 b1 b2
-    positions:  0  1  2 |  3  4 |  3  4  5
-    segment:    0  0  0 |  1  1 |  2  2  2
+    row:        p0 p1 p2 | a0 a1 | b0 b1 b2 || c0 c1 c2 c3 || pad
+    positions:   0  1  2 |  3  4 |  3  4  5 ||  0  1  2  3 ||  0
+    block:       0  0  0 |  0  0 |  0  0  0 ||  1  1  1  1 || -1
+    segment:     0  0  0 |  1  1 |  2  2  2 ||  1  1  1  1 || -1
 
-A token attends to earlier tokens of its own segment and to the shared prefix (segment
-0), never to another rollout's tokens, and its position id is what it would be in its own
-sequence. So every logit equals the one a row of its own would give (to float rounding),
-and gradients reaching the prefix add up over the rollouts, as they would over separate
-rows. The prefix is the tokens before the first policy token, so nothing a loss is
-computed on is shared.
+(segment 0 is a block's shared prefix, k >= 1 its k-th member's own tokens; -1 padding.) So
+every logit equals the one a row of its own would give (to float rounding), and gradients
+reaching a shared prefix add up over its rollouts, as they would over separate rows.
 
-A shared row's attention is dense over its whole length: sharing is chosen only where the
-row's attention area (length squared) is at most that of the separate rows it replaces,
-so it never costs more attention and always saves tokens. Long completions after a short
-prompt therefore stay in separate rows.
+Blocks (``plan_blocks``). The rollouts of a group start with the same prompt; a run of
+consecutive samples with identical tokens before their first policy token shares them, in
+chunks whose attention area (block length squared) is at most that of the separate samples
+it replaces: sharing never costs more attention and always saves tokens. The prefix ends
+before the first policy token, so nothing a loss is computed on is shared. On the quickstart
+(74-token prompts, 6-token completions, groups of 8) that saves 90% of the tokens; long
+completions after a short prompt stay separate samples.
+
+Rows (``plan_rows``): blocks are packed first-fit decreasing (longest block first, into the
+first row with room, each row then listing its blocks in order) up to a token budget
+(``row_budget``).
+
+- With a mask (sdpa, eager; on CPU and wherever flash-attention is missing) the budget is
+  the micro-batch's longest block, and ``attention_allowed`` builds the dense [R, 1, L, L]
+  boolean mask from the block and segment ids. Rows are then never wider than the widest
+  row of one block per row, so packing never adds tokens or attention area (a dense mask
+  computes every masked pair too); it only fills padding with whole samples. A budget of
+  ``seq_len`` removes little more padding at up to twice the attention area:
+  ``benchmarks/packing.py`` measured it no faster than the longest block in any regime.
+  Where no two samples fit in the longest (generation-heavy: samples of 130-200 tokens)
+  the rows are those of the unpacked layout.
+- With flash-attention's variable-length kernel (``trainer.model.attn_implementation =
+  "flash_attention_2"`` on CUDA, after ``uv pip install flash-attn --no-build-isolation``)
+  there is no mask and no padding: every block goes into one row, and the kernel attends
+  within the boundaries ``varlen_boundaries`` gives it (``cu_seqlens``, passed to
+  transformers as ``cu_seq_lens_q/k``). That layout takes no shared prefix: the kernel's
+  sequences are contiguous, a rollout's attention to its prompt is not.
 """
 
 from __future__ import annotations
@@ -31,12 +52,15 @@ import numpy as np
 
 
 @dataclass(frozen=True)
-class Row:
-    """One model row: ``prefix`` tokens shared by ``members`` (sample indices), each of
-    whose own tokens follow in order. ``prefix == 0`` with one member is a plain row."""
+class Block:
+    """One sequence of a row: ``prefix`` tokens shared by ``members`` (sample indices), each
+    of whose own tokens follow in order. ``prefix == 0`` with one member is a plain sample."""
 
     prefix: int
     members: tuple[int, ...]
+
+    def length(self, lengths: list[int]) -> int:
+        return self.prefix + sum(lengths[m] - self.prefix for m in self.members)
 
 
 @dataclass(frozen=True)
@@ -49,8 +73,11 @@ class Layout:
     positions: np.ndarray
     """int64 [R, L] position ids (each token's index within its own sample; 0 on padding)."""
 
+    blocks: np.ndarray
+    """int64 [R, L]: index of the token's block within its row, -1 for padding."""
+
     segments: np.ndarray
-    """int64 [R, L]: 0 for the shared prefix, k >= 1 for the k-th member's own tokens, -1 for padding."""
+    """int64 [R, L]: 0 for a block's shared prefix, k >= 1 for its k-th member's own tokens, -1 for padding."""
 
     source: np.ndarray
     """int64 [B, T]: flat index into the R * L positions of the one holding token t of
@@ -58,7 +85,13 @@ class Layout:
 
     @property
     def shared(self) -> bool:
+        """Some block holds a shared prefix."""
         return bool((self.segments > 1).any())
+
+    @property
+    def packed(self) -> bool:
+        """Some row holds more than one block."""
+        return bool((self.blocks > 0).any())
 
 
 def policy_start(mask: np.ndarray) -> int:
@@ -67,13 +100,13 @@ def policy_start(mask: np.ndarray) -> int:
     return int(hits[0]) if hits.size else len(mask)
 
 
-def plan_rows(ids: list[np.ndarray], masks: list[np.ndarray], share: bool) -> list[Row]:
-    """Rows for samples in order: runs of consecutive samples whose tokens before their
-    first policy token are identical share them, in chunks whose attention area
-    (row length squared) is at most that of their separate rows."""
+def plan_blocks(ids: list[np.ndarray], masks: list[np.ndarray], share: bool) -> list[Block]:
+    """Blocks for samples in order: runs of consecutive samples whose tokens before their
+    first policy token are identical share them (with ``share``), in chunks whose attention
+    area (block length squared) is at most that of their separate samples."""
     if not share:
-        return [Row(0, (i,)) for i in range(len(ids))]
-    rows: list[Row] = []
+        return [Block(0, (i,)) for i in range(len(ids))]
+    blocks: list[Block] = []
     i = 0
     while i < len(ids):
         p = policy_start(masks[i])
@@ -87,41 +120,92 @@ def plan_rows(ids: list[np.ndarray], masks: list[np.ndarray], share: bool) -> li
             members.append(j)
             shared_len, separate_area = grown, separate_area + len(ids[j]) ** 2
             j += 1
-        rows.append(Row(p if len(members) > 1 else 0, tuple(members)))
+        blocks.append(Block(p if len(members) > 1 else 0, tuple(members)))
         i = j
-    return rows
+    return blocks
 
 
-def lay_out(ids: list[np.ndarray], rows: list[Row], pad_id: int) -> Layout:
-    """Fill rows with the samples' tokens, position ids, segment ids and source indices."""
-    lengths = [r.prefix + sum(len(ids[m]) - r.prefix for m in r.members) for r in rows]
-    L, T = max(lengths), max(len(x) for x in ids)
+def plan_rows(sizes: list[int], budget: int | None) -> list[tuple[int, ...]]:
+    """Block indices of each row. ``budget`` None: one block per row, in order. Otherwise
+    first-fit decreasing: blocks from the longest (ties in order) each go into the first
+    row whose total stays within ``budget``, else open a new row (a block longer than the
+    budget gets a row of its own); each row lists its blocks in order."""
+    if budget is None:
+        return [(i,) for i in range(len(sizes))]
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        r = next((r for r in range(len(rows)) if sizes[i] <= room[r]), None)
+        if r is None:
+            rows.append([i])
+            room.append(budget - sizes[i])
+        else:
+            rows[r].append(i)
+            room[r] -= sizes[i]
+    return [tuple(sorted(row)) for row in rows]
+
+
+def row_budget(sizes: list[int], pack: bool, varlen: bool) -> int | None:
+    """The token budget of a row (see the module docstring): None (no packing), the longest
+    block (a mask's attention area never grows), or every token (the varlen kernel)."""
+    if not pack:
+        return None
+    return sum(sizes) if varlen else max(sizes)
+
+
+def lay_out(ids: list[np.ndarray], blocks: list[Block], rows: list[tuple[int, ...]], pad_id: int) -> Layout:
+    """Fill rows with the blocks' tokens, position ids, block and segment ids and source indices."""
+    lengths = [len(x) for x in ids]
+    L = max(sum(blocks[b].length(lengths) for b in row) for row in rows)
     out_ids = np.full((len(rows), L), pad_id, dtype=np.int64)
     positions = np.zeros((len(rows), L), dtype=np.int64)
+    block_ids = np.full((len(rows), L), -1, dtype=np.int64)
     segments = np.full((len(rows), L), -1, dtype=np.int64)
-    source = np.zeros((len(ids), T), dtype=np.int64)
+    source = np.zeros((len(ids), max(lengths)), dtype=np.int64)
     for r, row in enumerate(rows):
-        p = row.prefix
-        first = ids[row.members[0]]
-        out_ids[r, :p], positions[r, :p], segments[r, :p] = first[:p], np.arange(p), 0
-        at = p
-        for k, m in enumerate(row.members, start=1):
-            own = ids[m][p:]
-            span = slice(at, at + len(own))
-            out_ids[r, span], positions[r, span], segments[r, span] = own, np.arange(p, p + len(own)), k
-            source[m, :p] = r * L + np.arange(p)
-            source[m, p : len(ids[m])] = r * L + np.arange(at, at + len(own))
-            at += len(own)
-    return Layout(out_ids, positions, segments, source)
+        at = 0
+        for j, b in enumerate(row):
+            block = blocks[b]
+            block_ids[r, at : at + block.length(lengths)] = j
+            at = fill_block(ids, block, r, at, L, out_ids, positions, segments, source)
+    return Layout(out_ids, positions, block_ids, segments, source)
 
 
-def attention_allowed(segments: np.ndarray) -> np.ndarray:
-    """bool [R, 1, L, L]: query q may attend to key k. Causal, within the query's own
-    segment or the shared prefix; a padding query attends only to itself (its output is
-    never used, and a row of its own keeps the softmax finite)."""
+def fill_block(ids, block: Block, r: int, at: int, L: int, out_ids, positions, segments, source) -> int:
+    """Write ``block`` into row ``r`` from column ``at``; returns the column after it."""
+    p = block.prefix
+    first = ids[block.members[0]]
+    span = slice(at, at + p)
+    out_ids[r, span], positions[r, span], segments[r, span] = first[:p], np.arange(p), 0
+    prefix_at, at = at, at + p
+    for k, m in enumerate(block.members, start=1):
+        own = ids[m][p:]
+        span = slice(at, at + len(own))
+        out_ids[r, span], positions[r, span], segments[r, span] = own, np.arange(p, p + len(own)), k
+        source[m, :p] = r * L + prefix_at + np.arange(p)
+        source[m, p : len(ids[m])] = r * L + np.arange(at, at + len(own))
+        at += len(own)
+    return at
+
+
+def attention_allowed(blocks: np.ndarray, segments: np.ndarray) -> np.ndarray:
+    """bool [R, 1, L, L]: query q may attend to key k. Causal, within the query's own block,
+    and there within its own segment or the block's shared prefix; a padding query attends
+    only to itself (its output is never used, and a row of its own keeps the softmax finite)."""
     L = segments.shape[1]
     q_seg, k_seg = segments[:, :, None], segments[:, None, :]
+    same_block = blocks[:, :, None] == blocks[:, None, :]
     causal = np.tril(np.ones((L, L), dtype=bool))[None]
-    allowed = causal & (q_seg >= 0) & (k_seg >= 0) & ((k_seg == 0) | (k_seg == q_seg))
+    allowed = causal & same_block & (q_seg >= 0) & (k_seg >= 0) & ((k_seg == 0) | (k_seg == q_seg))
     allowed |= (q_seg < 0) & np.eye(L, dtype=bool)[None]
     return allowed[:, None]
+
+
+def varlen_boundaries(layout: Layout) -> np.ndarray:
+    """int32 [S + 1]: where each of the S blocks of a one-row, unpadded, unshared layout
+    starts, then its length: the ``cu_seqlens`` of flash-attention's variable-length kernel."""
+    if layout.ids.shape[0] != 1 or (layout.blocks < 0).any() or layout.shared:
+        raise ValueError("the varlen kernel takes one row of whole samples: no padding, no shared prefix")
+    row = layout.blocks[0]
+    starts = np.flatnonzero(np.diff(row, prepend=-1))
+    return np.append(starts, len(row)).astype(np.int32)

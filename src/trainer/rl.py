@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from prime_rl.config import LossConfig, TrainerConfig
+from prime_rl.heartbeat import Heartbeat
 from prime_rl.metrics import Metrics, make_metrics
 from prime_rl.rundir import checkpoint_step_dir
 from prime_rl.settings import run_process
@@ -28,7 +29,9 @@ from prime_rl.wire import TrainBatch
 from trainer.ckpt import checkpoint_due, load_checkpoint, save_checkpoint
 from trainer.data import BatchReceiver, MicroTensors, collate
 from trainer.loss import entropy_from_logits, policy_loss, scored_logprobs
-from trainer.model import World, forward_logits, load_model, setup_world, shared_prefix_support, teardown_world
+from trainer.model import (
+    World, forward_logits, load_model, packing_support, setup_world, shared_prefix_support, teardown_world, uses_varlen,
+)
 from trainer.optim import build_optimizer, clip_and_step
 from trainer.weights import save_weights
 
@@ -50,12 +53,17 @@ def log(msg: str) -> None:
 def train(cfg: TrainerConfig) -> None:
     # ---- setup: threads, process group, model, optimizer, metrics, transport
     world = setup_world(cfg.num_threads)
+    heartbeat = Heartbeat(cfg.output_dir, "trainer", enabled=world.is_main)  # for the launcher's watchdog
     torch.manual_seed(cfg.seed)
     model = load_model(cfg.model, world, cfg.lora)
     if cfg.share_prefix and (reason := shared_prefix_support(model)):
         cfg = cfg.model_copy(update={"share_prefix": False})  # decided once; train_step reads the flag
         if world.is_main:
             log(f"shared prefixes off: {reason}; every sample gets a row of its own (trainer.share_prefix)")
+    if cfg.pack and (reason := packing_support(model)):
+        cfg = cfg.model_copy(update={"pack": False})
+        if world.is_main:
+            log(f"packing off: {reason}; one row per sample or group, right-padded (trainer.pack)")
     optimizer, scheduler = build_optimizer(model, cfg.optim)
     metrics = (
         make_metrics("trainer", cfg.output_dir, CONSOLE_KEYS, cfg.wandb, cfg.model_dump(mode="json"))
@@ -73,23 +81,27 @@ def train(cfg: TrainerConfig) -> None:
     # ids must index the embedding's rows (which may exceed the tokenizer's vocabulary)
     receiver = BatchReceiver(cfg.transport, world.rank, vocab_size=model.get_input_embeddings().num_embeddings)
     log(f"rank {world.rank}/{world.world_size} on {world.device}: {cfg.model.name}; batches from {receiver.address}")
+    heartbeat.progress(f"loaded the model, next step {start}")
     nonfinite = 0  # consecutive steps skipped for a non-finite loss or gradient
     try:
         for step in range(start, cfg.max_steps):
             t_start = time.perf_counter()
             # 1. rollouts for this step (sampled by policy versions in [step - async_level, step])
-            batch = receiver.receive(step)
+            with heartbeat.waiting(f"batch of step {step} from {receiver.address}"):
+                batch = receiver.receive(step)
             t_batch = time.perf_counter()
             # 2. one optimizer step over all micro-batches
             stats = train_step(model, optimizer, scheduler, batch, cfg, world)
             nonfinite = count_nonfinite(stats, nonfinite, cfg.max_nonfinite_steps, step)
             t_train = time.perf_counter()
             # 3. publish policy version `step + 1` (collective gather, rank 0 writes)
-            writers = publish_weights(model, cfg, step + 1, world)
+            with heartbeat.waiting(f"writing weights step {step + 1}"):
+                writers = publish_weights(model, cfg, step + 1, world)
             t_save = time.perf_counter()
             # 4. a resumable checkpoint every ckpt.interval steps and after the last one
             if checkpoint_due(step + 1, cfg.ckpt.interval, cfg.max_steps):
-                save_checkpoint(model, optimizer, scheduler, cfg.output_dir, step + 1, cfg.ckpt.keep_last)
+                with heartbeat.waiting(f"writing checkpoint step {step + 1}"):
+                    save_checkpoint(model, optimizer, scheduler, cfg.output_dir, step + 1, cfg.ckpt.keep_last)
             t_ckpt = time.perf_counter()
             # 5. metrics (rank 0 only)
             timings = {
@@ -102,6 +114,7 @@ def train(cfg: TrainerConfig) -> None:
             row = {**step_metrics(stats, timings, step), "optim/nonfinite_streak": nonfinite, "weights/writers": writers}
             metrics.log(step, {**row, **resume_row})
             resume_row = {}
+            heartbeat.progress(f"trained step {step}")
         if world.is_main:
             log(f"done: {cfg.max_steps} steps, weights in {cfg.output_dir / 'weights'}")
     finally:
@@ -140,7 +153,8 @@ def train_step(
 ) -> dict[str, float]:
     """Forward/backward every micro-batch, then clip and step. Returns step-wide stats."""
     pad_id = getattr(model.config, "pad_token_id", None) or 0
-    micros = [collate(m, cfg.seq_len, pad_id, world.device, cfg.share_prefix) for m in batch.micro_batches]
+    varlen = uses_varlen(model)
+    micros = [collate(m, cfg.seq_len, pad_id, world.device, cfg.share_prefix, cfg.pack, varlen) for m in batch.micro_batches]
     # Step-wide normalisers, identical on every rank. Position 0 is never scored (no prefix).
     local_tokens = sum(loss_token_count(m, cfg.loss.denominator) for m in micros)
     num_tokens = max(1, int(all_reduce(scalar(local_tokens, world), dist.ReduceOp.SUM)))
@@ -174,7 +188,7 @@ def micro_step(
     model: nn.Module, mt: MicroTensors, temperature: float, loss_cfg: LossConfig, num_tokens: int, world_size: int
 ) -> torch.Tensor:
     """Forward + backward one micro-batch; returns its SUM_KEYS vector (detached)."""
-    logits = forward_logits(model, mt.model_ids, mt.model_mask, mt.model_positions)  # [R, L, V]
+    logits = forward_logits(model, mt.model_ids, mt.model_mask, mt.model_positions, mt.cu_seqlens, mt.max_seqlen)  # [R, L, V]
     # Position t of these scores token t+1 of each sample, on the inference side too.
     inference_lp, loss_mask = mt.inference_logprobs[:, 1:], mt.loss_mask[:, 1:]
     trainer_lp, scoring = scored_logprobs(logits, mt.source, mt.input_ids, loss_mask, temperature)  # [B, T-1]
