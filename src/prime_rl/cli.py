@@ -2,10 +2,11 @@
 
     prime-rl CONFIG.toml [--dotted.flags ...] [--no-tmux] [--dry-run] [--clean]   RL run (the trio)
     prime-rl CONFIG.toml --resume | --resume-step N [...]                        continue a run
+    prime-rl inference CONFIG.toml [--dotted.flags ...] [--no-tmux]               a warm vLLM server that runs attach to
     prime-rl sft CONFIG.toml [--dotted.flags ...]                                 supervised fine-tuning
     prime-rl eval ENV_ID|CONFIG.toml [-m MODEL] [-n N] [-r R] [-s] [...]          evaluate a model
     prime-rl export RUN_DIR [--step N] [--merge] [--output DIR]                   a run's weights, standalone
-    prime-rl [sft|eval] --help                                                    every setting, with its doc
+    prime-rl [inference|sft|eval] --help                                          every setting, with its doc
 
 Configs are validated, and model paths checked, before any process starts; a bad
 config exits with code 2 and one line per problem. The resolved config of each
@@ -41,10 +42,20 @@ from prime_rl.config import (
     environment_name,
     vllm_lora_rank,
 )
-from prime_rl.deployment import Placement, PlacementError, count_gpus, describe, plan_single_node, process_specs, write_config
+from prime_rl.deployment import (
+    Placement,
+    PlacementError,
+    count_gpus,
+    describe,
+    plan_single_node,
+    process_specs,
+    replica_specs,
+    write_config,
+)
 from prime_rl.endpoints import Endpoint, load_endpoints
+from prime_rl import warm
 from prime_rl.launcher import ProcessSpec, run, tmux_available
-from prime_rl.ports import Binding, port_problems, rl_bindings
+from prime_rl.ports import Binding, inference_bindings, port_problems, rl_bindings
 from prime_rl.resume import ResumeRefused, check_resumable, choose_resume_step, rewind
 from prime_rl.rundir import (
     RUN_MARKER,
@@ -87,6 +98,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if argv[:1] == ["sft"]:
             sys.exit(sft(argv[1:]))
+        if argv[:1] == ["inference"]:
+            sys.exit(inference(argv[1:]))
         if argv[:1] == ["eval"]:
             sys.exit(evaluate(argv[1:]))
         if argv[:1] == ["export"]:
@@ -110,7 +123,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def rl(argv: list[str]) -> int:
     if not argv or "--help" in argv or "-h" in argv:
-        print_help("prime-rl CONFIG.toml [flags]   (also: prime-rl sft --help, prime-rl eval --help)", RLConfig, LAUNCHER_FLAGS)
+        print_help("prime-rl CONFIG.toml [flags]   (also: prime-rl inference|sft|eval --help)", RLConfig, LAUNCHER_FLAGS)
         return 0
     argv, resume_step = take_resume_step(argv)
     launcher_flags = {flag for flag in LAUNCHER_FLAGS if flag in argv}
@@ -135,13 +148,16 @@ def rl(argv: list[str]) -> int:
     start = partial(start_run_dir, run_dir, leftovers, step)  # the last step before launch, never in a dry run
 
     if "--slurm" in launcher_flags:  # its ports are bound on the job's nodes, not here
+        if config.inference.attach:
+            raise ConfigError("inference.attach: a --slurm job starts its own servers on its nodes; drop it")
         return submit_slurm(config, run_dir, dry_run=dry_run, tmux="--no-tmux" not in launcher_flags, start=start)
     gpus = count_gpus()
     placement = planned(config, gpus)
-    check_ports(config, placement, dry_run)
+    servers = attached_servers(config, placement, run_dir, step)  # before the port check: they hold our ports
+    check_ports(config, placement, dry_run, serve=not servers)
     make_dir(run_dir, RL_OUTPUT_DIR)
-    specs = process_specs(config, run_dir, placement)
-    show_placement(config, placement, gpus)
+    specs = process_specs(config, run_dir, placement, serve=not servers)
+    show_placement(config, placement, gpus, attached=bool(servers))
     if dry_run:
         print(f"[prime-rl] resolved configs written to {run_dir / 'configs'}/")
         return 0
@@ -149,7 +165,23 @@ def rl(argv: list[str]) -> int:
     start()
     use_tmux = "--no-tmux" not in launcher_flags and tmux_available()
     workers = tuple(f"env-{env.metric_name}" for env in config.orchestrator.env if env.python is not None)
-    return run(run_dir, specs, use_tmux, session_name=f"prime-rl-{run_dir.name}", follow=workers, watchdog=config.watchdog)
+    with warm.leased(servers, run_dir):  # a warm server is left running, whatever the run's end
+        return run(run_dir, specs, use_tmux, session_name=f"prime-rl-{run_dir.name}", follow=workers, watchdog=config.watchdog)
+
+
+def attached_servers(config: RLConfig, placement: Placement, run_dir: Path, resume_step: int | None) -> list[warm.ServerState]:
+    """The warm servers (`prime-rl inference`) the run attaches to, the orchestrator pointed at
+    them; [] = the run starts its own (``prime_rl.warm`` says when and what is refused)."""
+    found = warm.find_servers(placement.replicas)
+    if not warm.attach_decision(config.inference.attach, found, config.inference.host):
+        return []
+    servers = [f.state for f in found]
+    warm.check_attachable(config, servers)
+    weights = warm.attach(config, servers, run_dir, resume_step)
+    urls = ", ".join(s.url for s in servers)
+    print(f"[prime-rl] attaching to the warm inference server at {urls} (`prime-rl inference`, pid {servers[0].pid}): "
+          f"it loads this run's weights {weights} before sampling and keeps running after the run", flush=True)
+    return servers
 
 
 def submit_slurm(config: RLConfig, run_dir: Path, dry_run: bool, tmux: bool, start: Callable[[], None]) -> int:
@@ -181,8 +213,9 @@ def planned(config: RLConfig, gpus: int) -> Placement:
         raise ConfigError(str(e)) from None
 
 
-def show_placement(config: RLConfig, placement: Placement, gpus: int) -> None:
-    """Where each process runs; on a machine without GPUs, also where it would run on GPUs."""
+def show_placement(config: RLConfig, placement: Placement, gpus: int, attached: bool = False) -> None:
+    """Where each process runs; on a machine without GPUs, also where it would run on GPUs.
+    ``attached``: warm servers serve, none of the run's own (their lines are left out)."""
     d = config.deployment
     both = gpus == 0 and (d.inference_gpus > 1 or d.trainer_gpus > 1)  # a GPU split, run on CPU here
     if both:
@@ -193,6 +226,8 @@ def show_placement(config: RLConfig, placement: Placement, gpus: int) -> None:
         print("[prime-rl] this machine shows no GPU: here the same processes run on CPU "
               "(vLLM-CPU replicas, gloo trainer ranks):", flush=True)
     for line in describe(placement):
+        if attached and line.startswith("inference replica"):
+            continue
         print(f"[prime-rl]   {line}" if both else f"[prime-rl] {line}", flush=True)
 
 
@@ -302,16 +337,79 @@ def start_run_dir(run_dir: Path, leftovers: list[Path], resume_step: int | None)
         write_run_marker(run_dir, kind="rl")
 
 
-def check_ports(config: RLConfig, placement: Placement, dry_run: bool) -> None:
-    """Every port the run binds must be free; a dry run only warns (the port may be freed by the
-    time the run starts, e.g. by the run that holds it now)."""
-    problems = port_problems(rl_bindings(config, placement))
+def check_ports(config: RLConfig, placement: Placement, dry_run: bool, serve: bool = True) -> None:
+    """Every port the run binds must be free (without ``serve``, the inference ports are the
+    attached warm servers'); a dry run only warns (the port may be freed by the time the run
+    starts, e.g. by the run that holds it now)."""
+    problems = port_problems(rl_bindings(config, placement, serve=serve))
     if not problems:
         return
     if not dry_run:
         raise ConfigError("\n".join(problems))
     for line in problems:
         print(f"[prime-rl] warning: {line} (the run itself would stop here)", file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------- inference
+
+INFERENCE_FLAGS = {
+    "--no-tmux": "run headless: the server's log under SERVERS_DIR/<host>-<port>/logs/ (default when tmux is missing)",
+    "--dry-run": "write the servers' resolved configs and exit",
+}
+RUN_DIR_FLAGS = ("--clean", "--resume")
+"""A run's flags about its directory: accepted (the same command line as the run's) and
+ignored, since a server has no run directory (an attached run loads its own weights)."""
+
+
+def inference(argv: list[str]) -> int:
+    """`prime-rl inference CONFIG`: the RL config's vLLM servers alone, resolved as a run
+    resolves them, kept up (under the launcher) until Ctrl-C or SIGTERM; a state file per
+    server tells runs of a compatible config to attach instead of starting their own."""
+    if not argv or "--help" in argv or "-h" in argv:
+        print_help("prime-rl inference CONFIG.toml [flags]   (the run's config and flags; runs of it attach to the servers)",
+                   RLConfig, INFERENCE_FLAGS)
+        return 0
+    argv, _ = take_resume_step(argv)
+    if "--slurm" in argv:
+        raise ConfigError("--slurm: `prime-rl inference` serves on this machine; a --slurm job starts its own servers")
+    files, flags = split_argv([a for a in argv if a not in INFERENCE_FLAGS and a not in RUN_DIR_FLAGS])
+    if not files:
+        raise ConfigError("expected a config file: prime-rl inference CONFIG.toml [flags]")
+    config = load_config(RLConfig, files, flags)
+    checked_model_path(config.inference.model, "inference.model")
+    if config.trainer.lora is not None:
+        raise ConfigError("trainer.lora: a LoRA run never attaches to a warm server (its adapter needs its own base "
+                          "weights), so no run of this config would use it; run `prime-rl CONFIG` as is")
+    placement = planned(config, count_gpus())
+    if warm_ones := [f for f in warm.find_servers(placement.replicas) if f.live]:
+        raise ConfigError(f"inference.port: a warm server (`prime-rl inference`, pid {warm_ones[0].state.pid}) serves "
+                          f"{warm_ones[0].state.url} already; runs of this config attach to it")
+    first = placement.replicas[0]
+    server_dir = warm.server_dir(first.host, first.port)
+    problems = port_problems(inference_bindings(placement))
+    if problems:
+        raise ConfigError("\n".join(problems))
+    make_dir(server_dir, f"{warm.SERVERS_DIR_ENV} ({warm.servers_dir()})")
+    config.inference.output_dir = server_dir
+    specs = replica_specs(config, server_dir, placement.nodes[0], multi=len(placement.replicas) > 1)
+    states = warm.server_states(config, placement.replicas, files, os.getpid(), logs_dir(server_dir))
+    for line in describe(placement):
+        if line.startswith("inference replica"):
+            print(f"[prime-rl] {line}", flush=True)
+    if "--dry-run" in argv:
+        print(f"[prime-rl] resolved configs written to {server_dir / 'configs'}/")
+        return 0
+    watch = warm.ServerWatch(states, config.inference.api_key, on_ready=print_ready)
+    watch.start()
+    try:
+        return run(server_dir, specs, "--no-tmux" not in argv and tmux_available(), session_name=f"prime-rl-inference-{first.port}")
+    finally:
+        watch.stop()  # after the servers stopped: no state file outlives its server
+
+
+def print_ready(state: warm.ServerState, path: Path) -> None:
+    print(f"[prime-rl] inference ready: {state.url} serving {state.model} (state: {path}); runs of this config attach "
+          "to it; Ctrl-C stops it", flush=True)
 
 
 # --------------------------------------------------------------------------- sft
@@ -564,6 +662,8 @@ def resolve_eval_target(config: EvalRunConfig | GepaRunConfig) -> EvalTarget:
     inference = config.inference
     if "model" in inference.model_fields_set and inference.model != config.model:
         raise ConfigError(f"conflicting values: `model` = {config.model!r} but `inference.model` = {inference.model!r}; set `model` only")
+    if "attach" in inference.model_fields_set:
+        raise ConfigError("inference.attach: only an RL run attaches to a warm server (`prime-rl inference`)")
     inference.model = config.model
     adapter = lora_adapter(config.model)
     if adapter is not None:  # a LoRA run's weights/step_N: its base model, serving the adapter

@@ -745,6 +745,9 @@ class InferenceConfig(StrictModel):
     output_dir: Path = Path("outputs/run")
     """Run directory (the server's log lives there)."""
 
+    attach: bool | None = None
+    """An RL run only: use the warm servers `prime-rl inference CONFIG` keeps up on this run's ports instead of starting vLLM (the run loads its own weights into them). None = attach when a live warm server holds the ports, else start our own; true = attach or refuse; false = always start our own (a warm server on the ports is refused, as any program holding them)."""
+
     @model_validator(mode="after")
     def _adapters_need_lora(self) -> InferenceConfig:
         if self.lora_modules and self.max_lora_rank is None:

@@ -199,15 +199,18 @@ def describe(placement: Placement) -> list[str]:
 # --------------------------------------------------------------------------- processes
 
 
-def process_specs(config: RLConfig, run_dir: Path, placement: Placement, node: int = 0, job_id: str = "") -> list[ProcessSpec]:
-    """Write the configs of ``node``'s processes to RUN/configs/ and return how to start them."""
+def process_specs(
+    config: RLConfig, run_dir: Path, placement: Placement, node: int = 0, job_id: str = "", serve: bool = True
+) -> list[ProcessSpec]:
+    """Write the configs of ``node``'s processes to RUN/configs/ and return how to start them;
+    without ``serve``, no inference replicas (a run attached to warm servers, ``prime_rl.warm``)."""
     if len(placement.nodes) > 1 and not has_transport_keys(config):
         # each node resolves its own configs: keys drawn here would differ from node to node
         raise PlacementError("a multi-node job needs the transport keys in its resolved config (RUN/slurm/rl.json, written by `prime-rl --slurm`)")
     config = resolve_transport(config)
     plan = placement.nodes[node]
     python = sys.executable
-    specs = [replica_spec(config, run_dir, r, python, multi=len(placement.replicas) > 1) for r in plan.replicas]
+    specs = replica_specs(config, run_dir, plan, multi=len(placement.replicas) > 1) if serve else []
     if plan.orchestrator:
         orchestrator = config.orchestrator.model_copy(deep=True)
         urls = [r.url for r in placement.replicas]
@@ -271,6 +274,11 @@ def transport_keys_match(orchestrator: TransportConfig, trainer: TransportConfig
     server_public = zmq.curve_public(orchestrator.curve_server_secret.encode()).decode()
     client_public = zmq.curve_public(trainer.curve_client_secret.encode()).decode()
     return trainer.curve_server_public == server_public and orchestrator.curve_client_public == client_public
+
+
+def replica_specs(config: RLConfig, run_dir: Path, plan: NodePlan, multi: bool) -> list[ProcessSpec]:
+    """The node's vLLM servers (a run's, or `prime-rl inference`'s: the same resolution)."""
+    return [replica_spec(config, run_dir, r, sys.executable, multi) for r in plan.replicas]
 
 
 def replica_spec(config: RLConfig, run_dir: Path, replica: Replica, python: str, multi: bool) -> ProcessSpec:

@@ -33,15 +33,21 @@ class Binding:
     """The setting that chose the port, for messages (`inference.port`, `transport.port + 1`)."""
 
 
-def rl_bindings(config: RLConfig, placement: Placement) -> list[Binding]:
-    """Every port this node's processes bind (``placement`` of one node, as planned)."""
-    bindings = [Binding(r.host, r.port, "inference.port" + (f" + {r.index}" if r.index else "")) for r in placement.replicas]
+def rl_bindings(config: RLConfig, placement: Placement, serve: bool = True) -> list[Binding]:
+    """Every port this node's processes bind (``placement`` of one node, as planned); without
+    ``serve`` not the inference ports (warm servers the run attaches to hold them)."""
+    bindings = inference_bindings(placement) if serve else []
     transport = config.orchestrator.transport
     # as process_specs and the sender resolve it: the placement's bind host, else the config's, else the address
     host = placement.bind_host or transport.bind_host or placement.orchestrator_host
     for rank in range(config.orchestrator.num_trainer_ranks):
         bindings.append(Binding(host, transport.port + rank, "transport.port" + (f" + {rank} (trainer rank {rank})" if rank else "")))
     return bindings
+
+
+def inference_bindings(placement: Placement) -> list[Binding]:
+    """The port of each vLLM replica."""
+    return [Binding(r.host, r.port, "inference.port" + (f" + {r.index}" if r.index else "")) for r in placement.replicas]
 
 
 def port_problems(bindings: list[Binding]) -> list[str]:
