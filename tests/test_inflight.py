@@ -121,31 +121,57 @@ def test_the_async_bound_admits_groups_only_for_steps_the_served_version_may_tra
 
 
 def test_a_group_older_than_the_bound_is_dropped_counted_logged_and_never_trained():
+    """Groups of version 0 completing when step 3 is cut (version 3 served, as after the
+    orchestrator fell behind): too old for async_level 1, so dropped, and a newer one trains."""
     async def go():
         env, version, logs = GatedEnv(), Version(), []
         pool, reference = make_pool(env, version, k=1, async_level=1, max_inflight=3, logs=logs)
-        picks = reference.next(6)
+        old = reference.next(2)
+        pool.fill(0)  # version 0: steps 0 and 1 may start
+        await settle()
+        version.value = 3
+        pool.notify()
+        for _, i in old:
+            env.gate(i).set()
+        cutting = asyncio.create_task(pool.cut(3, stall, 5))
+        await settle()
+        fresh = [i for i in env.started if i not in [i for _, i in old]]
+        env.gate(fresh[0]).set()
+        cut = await cutting
+        assert cut.stale == 2 and examples(cut.groups) == [fresh[0]] and cut.groups[0].version == 3
+        assert sum("policy version 0" in line and "not trained on" in line for line in logs) == 2, logs
+        await pool.close()
+
+    asyncio.run(go())
+
+
+def test_a_step_waits_for_the_groups_that_expire_with_it_rather_than_let_them_go_stale():
+    """Step 1 (async_level 1) is the last that a group of version 0 may train: when a newer
+    group completes first, the step still takes the old one, and the newer one goes on to
+    step 2, which it may train."""
+    async def go():
+        env, version = GatedEnv(), Version()
+        pool, reference = make_pool(env, version, k=1, async_level=1, max_inflight=3)
+        picks = reference.next(3)
         cutting = asyncio.create_task(pool.cut(0, stall, 5))
         await settle()
-        slow = picks[0][1]  # started with version 0; it completes only when step 2 is cut
         env.gate(picks[1][1]).set()
-        assert examples((await cutting).groups) == [picks[1][1]]
+        assert examples((await cutting).groups) == [picks[1][1]]  # picks[0] (version 0) still in flight
         version.value = 1
         pool.notify()
-        env.gate(picks[2][1]).set()
-        assert examples((await pool.cut(1, stall, 5)).groups) == [picks[2][1]]
+        cutting = asyncio.create_task(pool.cut(1, stall, 5))
+        await settle()
+        assert picks[2][1] in env.started
+        env.gate(picks[2][1]).set()  # the newer group (version 1) completes first
+        await settle()
+        assert not cutting.done()  # the step waits for the group that expires with it
+        env.gate(picks[0][1]).set()
+        cut = await cutting
+        assert examples(cut.groups) == [picks[0][1]] and cut.stale == 0
         version.value = 2
         pool.notify()
-        cutting = asyncio.create_task(pool.cut(2, stall, 5))
-        await settle()
-        env.gate(slow).set()  # version 0 < 2 - 1: too old for step 2
-        await settle()
-        later = [i for _, i in picks[3:] if i in env.started]
-        env.gate(later[0]).set()
-        cut = await cutting
-        assert cut.stale == 1 and slow not in examples(cut.groups) and examples(cut.groups) == [later[0]]
-        assert all(group.version >= 1 for group in cut.groups)
-        assert any("policy version 0" in line and "not trained on" in line for line in logs), logs
+        cut = await pool.cut(2, stall, 5)
+        assert examples(cut.groups) == [picks[2][1]] and cut.stale == 0
         await pool.close()
 
     asyncio.run(go())

@@ -11,14 +11,16 @@ Versions. A group carries the policy version served when it started (``version``
 oldest of its tokens) and the newest among its tokens (``last_version``, above it when a
 reload landed while it was sampled). Step n trains on a group only if
 ``version >= n - async_level``; an older group is dropped, counted and logged, never
-trained on.
+trained on. A step takes the groups that expire with it first (they could train no later
+step), and waits for those still in flight rather than fill its slots with newer groups
+that completed sooner, so a group goes stale only when more expire together than a step
+holds.
 
 Admission, the async bound ahead of time: the j-th group not yet in a batch (counting the
 step's groups already cut, the completed ones and those in flight) will go to step
 ``next_step + j // groups_per_step``, so it starts only when the version served now can
 train that step: ``version >= next_step + j // groups_per_step - async_level``. The
-orchestrator therefore never samples further ahead than ``async_level``; groups are
-dropped only when they complete out of order behind a weight update.
+orchestrator therefore never samples further ahead than ``async_level``.
 
 Determinism, for a resume: examples are picked from the seeded order as groups start.
 ``pending()`` lists the picks of the groups started but in no batch yet, in start order;
@@ -125,13 +127,9 @@ class GroupPool:
         bound = step - self.async_level
         while True:
             self._raise_failure()
-            while self._done and len(taken) < self.k:
-                group = self._done.popleft()
-                if group.version < bound:
-                    stale += 1
-                    self.log(f"step {step}: dropped a group of policy version {group.version} (async_level "
-                             f"{self.async_level} allows >= {bound}); it is not trained on")
-                    continue
+            stale += self._drop_stale(step, bound)
+            while len(taken) < self.k and (group := self._next_done(step, len(taken))) is not None:
+                self._done.remove(group)
                 group_rewards = [r.reward for _, r in group.rollouts]
                 rewards += group_rewards
                 if filter is not None and filter.enabled and not self._keeps(group_rewards, filter):
@@ -157,6 +155,11 @@ class GroupPool:
                 "filter/sampled_reward_mean": float(np.mean(rewards)),
             }
         return Cut(taken, stale, time.perf_counter() - start, len(self._in_flight), row)
+
+    def fill(self, next_step: int) -> None:
+        """Start as many groups as the slots and the async bound allow for ``next_step`` on
+        (``cut`` does it too; this starts generation before the first cut)."""
+        self._admit(next_step, 0)
 
     def pending(self) -> list[tuple[int, int]]:
         """Picks of the groups started but in no batch yet (completed or in flight), in start
@@ -184,6 +187,31 @@ class GroupPool:
         self._in_flight.clear()
 
     # ----------------------------------------------------------------------- internals
+
+    def _drop_stale(self, step: int, bound: int) -> int:
+        """Drop the completed groups older than ``bound`` (logged); returns how many."""
+        stale = [group for group in self._done if group.version < bound]
+        for group in stale:
+            self._done.remove(group)
+            self.log(f"step {step}: dropped a group of policy version {group.version} (async_level "
+                     f"{self.async_level} allows >= {bound}); it is not trained on")
+        return len(stale)
+
+    def _next_done(self, step: int, taken: int) -> Group | None:
+        """The completed group ``step`` takes next: first one that could train no later step
+        (it expires with this one), else the first to complete, unless the slots left are
+        needed by groups still in flight that expire with this step (the step then waits
+        for them rather than let them go stale); None = wait."""
+        def expires(group: Group) -> bool:
+            return group.version < step + 1 - self.async_level
+
+        for group in self._done:
+            if expires(group):
+                return group
+        expiring = sum(expires(group) for group, _ in self._in_flight.values())
+        if self._done and self.k - taken - 1 >= expiring:
+            return self._done[0]
+        return None
 
     def _keeps(self, rewards: list[float], f: FilterConfig) -> bool:
         return bool(keep_groups(rewards, self.n, f.drop_equal_rewards, f.min_mean_reward, f.max_mean_reward)[0])

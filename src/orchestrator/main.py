@@ -415,8 +415,6 @@ async def run(cfg: OrchestratorConfig, envs: list[tuple[str, Environment]], toke
             await client.reload_weights(weights_step_dir(cfg.output_dir, version), version)
         if cfg.client.verify_reload:  # the replicas must start alike too; later probes must differ from this
             startup_row.update(probe_row(await client.probe_replicas(), "startup"))
-        if start == 0 and cfg.preflight.enabled:
-            metrics.log(0, await preflight(dict(envs), sampler, cfg.preflight, cfg.seed, log), process="preflight")
         if cfg.batching == "continuous":
             reloads = Reloads([])
             pool = GroupPool(
@@ -425,6 +423,9 @@ async def run(cfg: OrchestratorConfig, envs: list[tuple[str, Environment]], toke
                 version=lambda: client.version, pending=cursor["pending"], log=log,
             )
             follower = asyncio.create_task(follow_weights(cfg, client, pool, reloads))
+            pool.fill(start)  # the first groups sample while the preflight runs (off the critical path)
+        if start == 0 and cfg.preflight.enabled:
+            metrics.log(0, await preflight(dict(envs), sampler, cfg.preflight, cfg.seed, log), process="preflight")
         for step in range(start, cfg.max_steps):
             step_start = time.perf_counter()
             # (a)-(d): the policy synced, evaluation on its interval, the step's rollouts
