@@ -210,9 +210,10 @@ def assert_resumed_cleanly(run_dir, resume_step: int) -> None:
     "victim, marker",
     [
         ("trainer", "-m trainer.rl"),
-        # The same resume from the same checkpoint after another victim: slow-marked to keep
-        # the default suite near 15 minutes (the launcher's stop-the-others rule for any
-        # process is tests/test_launcher.py's); `bash scripts/test.sh -m slow` runs them.
+        # The same resume from the same checkpoint after another victim (and, after the
+        # orchestrator's, a second resume from it): slow-marked to keep the default suite near
+        # 20 minutes (the launcher's stop-the-others rule for any process is
+        # tests/test_launcher.py's); `bash scripts/test.sh -m slow` runs them.
         pytest.param("orchestrator", "-m orchestrator.main", marks=pytest.mark.slow),
         pytest.param("inference", "vllm.entrypoints.openai.api_server", marks=pytest.mark.slow),
     ],
@@ -236,7 +237,7 @@ def test_a_killed_process_stops_the_run_and_the_run_resumes(tmp_path, tiny_model
     print(f"killed {victim}; resumed from step {resume_step}; the resumed run took {resume_s:.1f} s")
     assert_resumed_cleanly(run_dir, resume_step)
 
-    if victim == "trainer":
+    if victim == "orchestrator":  # slow-marked: a third run of 32 steps
         # Resuming again from the same checkpoint samples on from the same cursor: the same
         # examples first (which step each lands in depends on when its group completes).
         first = recorded_picks(run_dir, first_step=resume_step)
