@@ -6,7 +6,10 @@ Both systems run the same prime-rl config (TRL's side reads it: `benchmarks/trl_
 from the same SFT'd model, one after the other on this machine. Regimes:
 
 - `quickstart`: the quickstart's 180k-parameter model on reverse-text
-  (`configs/reverse-text/rl.toml`: 256 completions of ~7 tokens a step); with it, where
+  (`configs/reverse-text/rl.toml`: 256 completions of ~7 tokens a step), the exact model
+  and config `bash scripts/quickstart.sh` trains; prime-rl runs it twice: cold, as
+  the quickstart does, and attached to a warm inference server (`prime-rl inference`,
+  started once before those runs and not counted: TRL has no such mode); with it, where
   prime-rl's time goes (`benchmarks.profile`), the overheads against their limits
   (`benchmarks.overheads`, `benchmarks.loadgen`) and, in full runs, the async gain
   (`benchmarks.async_gain`);
@@ -42,11 +45,13 @@ import platform
 import statistics
 import subprocess
 import sys
+import signal
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from importlib.metadata import version
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 from benchmarks import async_gain
 from benchmarks.loadgen import free_port
@@ -81,6 +86,8 @@ class Mode:
     recipe: Recipe = Recipe()
     base_model: bool = False
     """Start from the recipe's untrained base model instead of its SFT'd one."""
+    warm: bool = False
+    """Also run prime-rl attached to a warm inference server (`prime-rl inference`)."""
 
 
 @dataclass(frozen=True)
@@ -98,9 +105,9 @@ class Regime:
 QUICKSTART = Regime(
     "quickstart", "configs/reverse-text/rl.toml",
     # the quickstart's SFT'd model starts near 0.62
-    full=Mode(steps=120, repeats=2, targets=(0.7, 0.85), budget_s=120.0),
+    full=Mode(steps=120, repeats=2, targets=(0.7, 0.85), budget_s=120.0, warm=True),
     # a shorter warm-up (the model is only smoke-tested)
-    quick=Mode(steps=8, repeats=1, targets=(0.65,), budget_s=60.0, recipe=Recipe(sft_flags=("--max-steps", "100"))),
+    quick=Mode(steps=8, repeats=1, targets=(0.65,), budget_s=60.0, recipe=Recipe(sft_flags=("--max-steps", "100")), warm=True),
 )
 LONG_TEXT = ("--args", '{"min_len": 50, "max_len": 150}')
 GENERATION_HEAVY = Regime(
@@ -112,6 +119,7 @@ GENERATION_HEAVY = Regime(
     quick=Mode(steps=3, repeats=1, targets=(0.3,), budget_s=60.0, recipe=QUICKSTART.quick.recipe, base_model=True),
 )
 REGIMES = {r.name: r for r in (QUICKSTART, GENERATION_HEAVY)}
+WARM = "prime-rl (warm server)"
 PARTS = (*REGIMES, "scaling")
 """What ``--only`` may name: the regimes, then the scaling sweep."""
 
@@ -155,12 +163,16 @@ def prepare_model(recipe: Recipe) -> Path:
 # --------------------------------------------------------------------------- the two systems
 
 
-def run_prime_rl(config: str, model: Path, out: Path, flags: list[str]) -> Curve:
-    """`prime-rl CONFIG` on ``model`` with ``flags``, headless."""
+def run_prime_rl(config: str, model: Path, out: Path, flags: list[str], warm: tuple[int, dict] | None = None,
+                 system: str = "prime-rl") -> Curve:
+    """`prime-rl CONFIG` on ``model`` with ``flags``, headless; with ``warm`` (the port and
+    environment of ``warm_server``), attached to that server."""
+    port, env = warm or (free_port(), None)
+    attach = ["--inference.attach", "true"] if warm else []
     cmd = [sys.executable, "-m", "prime_rl.cli", config, "--model", str(model), "--output-dir", str(out), *flags,
-           "--clean", "--no-tmux", "--inference.port", str(free_port()), "--transport.port", str(free_port())]
+           "--clean", "--no-tmux", "--inference.port", str(port), *attach, "--transport.port", str(free_port())]
     t0 = time.time()
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL)
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, env=env)
     with CpuSampler(proc.pid, t0) as cpu:
         if proc.wait() != 0:
             raise subprocess.CalledProcessError(proc.returncode, cmd)
@@ -169,8 +181,34 @@ def run_prime_rl(config: str, model: Path, out: Path, flags: list[str]) -> Curve
     steps_rows = [r for r in rows if r["process"] == "orchestrator" and "reward/mean" in r]
     # the trainer's row marks the end of a step's training; the reward is the batch's
     trained = {r["step"]: r["wall"] - t0 for r in rows if r["process"] == "trainer"}
-    return Curve("prime-rl", [trained[r["step"]] for r in steps_rows], [r["reward/mean"] for r in steps_rows], wall,
+    return Curve(system, [trained[r["step"]] for r in steps_rows], [r["reward/mean"] for r in steps_rows], wall,
                  run_profile(rows, t0, cpu.samples), [r["seq/completion_len_mean"] for r in steps_rows])
+
+
+@contextmanager
+def warm_server(config: str, model: Path, out: Path, timeout_s: float = 600) -> Iterator[tuple[int, dict]]:
+    """`prime-rl inference CONFIG` on ``model``, up (its state file written) for the block;
+    yields its port and the environment that points runs at its state file."""
+    port, servers = free_port(), out / "servers"
+    env = {**os.environ, "PRIME_RL_SERVERS_DIR": str(servers)}
+    cmd = [sys.executable, "-m", "prime_rl.cli", "inference", config, "--model", str(model), "--no-tmux",
+           "--inference.port", str(port)]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not (servers / f"127.0.0.1-{port}.json").is_file():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"`{' '.join(cmd)}` did not serve within {timeout_s:.0f} s (exit {proc.poll()})")
+            time.sleep(0.5)
+        yield port, env
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 def run_trl(config: str, model: Path, out: Path, flags: list[str]) -> Curve:
@@ -225,9 +263,10 @@ def summarize(curves: dict[str, list[Curve]], mode: Mode) -> dict:
         for system, runs in curves.items()
     }
     ratios = {}
-    for key in ("wall_s", "startup_s", "s_per_step", *(f"time_to_{t:g}_s" for t in mode.targets)):
-        ours, peer = per_system["prime-rl"][key]["median"], per_system["trl"][key]["median"]
-        ratios[f"{key} prime-rl/trl"] = ours / peer if ours is not None and peer else None
+    for system in (s for s in per_system if s != "trl"):
+        for key in ("wall_s", "startup_s", "s_per_step", *(f"time_to_{t:g}_s" for t in mode.targets)):
+            ours, peer = per_system[system][key]["median"], per_system["trl"][key]["median"]
+            ratios[f"{key} {system}/trl"] = ours / peer if ours is not None and peer else None
     profiles = [c.profile for c in curves["prime-rl"] if c.profile]
     profile = {key: spread([p.get(key) for p in profiles]) for key in sorted({k for p in profiles for k in p})}
     return {"figures": per_system, "ratios": ratios, "profile": profile}
@@ -254,17 +293,24 @@ def _installed(name: str) -> bool:
 
 
 def plot(curves: dict[str, list[Curve]], mode: Mode, path: Path) -> None:
+    plot_rewards({system: [(c.times, c.rewards) for c in runs] for system, runs in curves.items()}, path, mode.targets)
+
+
+def plot_rewards(series: dict[str, list[tuple[list[float], list[float]]]], path: Path, targets=(), title: str | None = None) -> None:
+    """Each label's runs as (seconds since the command, reward) curves, 5-step means, one colour a label."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    for (system, runs), color in zip(curves.items(), ("tab:blue", "tab:orange")):
-        for i, curve in enumerate(runs):
-            ax.plot(curve.times, mean5(curve.rewards), color=color, alpha=0.8, label=system if i == 0 else None)
-    for target in mode.targets:
+    for (label, runs), color in zip(series.items(), ("tab:blue", "tab:orange", "tab:green", "tab:grey")):
+        for i, (times, rewards) in enumerate(runs):
+            ax.plot(times, mean5(rewards), color=color, alpha=0.8, label=label if i == 0 else None)
+    for target in targets:
         ax.axhline(target, color="grey", linestyle=":", linewidth=1)
+    if title:
+        ax.set_title(title)
     ax.set_xlabel("seconds since the command started")
     ax.set_ylabel("reward (5-step mean)")
     ax.legend()
@@ -326,17 +372,21 @@ def targets(results: Path) -> list[tuple[str, float | None, bool | None]]:
         path = results / f"{name}.json"
         return json.loads(path.read_text()) if path.is_file() else {}
 
-    quick, heavy = load("quickstart"), load("generation-heavy")
+    quick, heavy, batching = load("quickstart"), load("generation-heavy"), load("batching").get("batching", {})
     rows: list[tuple[str, float | None, Callable[[float], bool]]] = []
     if quick:
-        ratios, over = quick["ratios"], quick.get("overheads", {})
+        ratios, over, profile = quick["ratios"], quick.get("overheads", {}), quick.get("profile", {})
         ours = quick["figures"]["prime-rl"]
         gain = (ours["reward_last5"]["median"] or 0.0) - (ours["reward_first5"]["median"] or 0.0)
+        first_step = (profile.get("startup/first_step_s") or {}).get("median")
         rows += [
-            ("quickstart: time to a 5-step reward of 0.85 <= 1.0x TRL's", ratios.get("time_to_0.85_s prime-rl/trl"), lambda v: v <= 1.0),
+            ("quickstart: time to a 5-step reward of 0.85 <= 0.6x TRL's (cold)", ratios.get("time_to_0.85_s prime-rl/trl"), lambda v: v <= 0.6),
+            ("quickstart, warm inference server: time to a 5-step reward of 0.85 <= 0.4x TRL's",
+             ratios.get(f"time_to_0.85_s {WARM}/trl"), lambda v: v <= 0.4),
             ("quickstart: seconds per step <= 0.7x TRL's", ratios.get("s_per_step prime-rl/trl"), lambda v: v <= 0.7),
             ("quickstart: reward gain, first 5 -> last 5 steps >= +0.15", gain, lambda v: v >= 0.15),
-            ("weight handoff < 5% of a step", over.get("handoff share of step"), lambda v: v < 0.05),
+            ("quickstart: start-up (command to the first trained step) <= 20 s cold", first_step, lambda v: v <= 20),
+            ("weight handoff < 1% of a step", over.get("handoff share of step"), lambda v: v < 0.01),
             ("transport < 1% of a step", over.get("transport share of step"), lambda v: v < 0.01),
             ("trainer step <= 1.2x a bare PyTorch loop's", over.get("trainer step / bare loop step"), lambda v: v <= 1.2),
             ("orchestrator >= 0.8x vLLM alone (tokens/s)", over.get("orchestrator tokens/s / vLLM alone"), lambda v: v >= 0.8),
@@ -344,6 +394,12 @@ def targets(results: Path) -> list[tuple[str, float | None, bool | None]]:
     if heavy:
         key = next((k for k in heavy["ratios"] if k.startswith("time_to_")), None)
         rows.append(("generation-heavy: time to its target reward <= 0.5x TRL's", heavy["ratios"].get(key), lambda v: v <= 0.5))
+    if "multi-turn" in batching:
+        rows.append(("multi-turn: continuous batching >= 1.3x the rollouts/s of the step barrier",
+                     batching["multi-turn"]["ratios"].get("rollouts_per_s continuous/step"), lambda v: v >= 1.3))
+    for name, result in batching.items():
+        kl = result["medians"]["continuous"].get("mismatch_kl_step0")
+        rows.append((f"{name}, continuous batching: mismatch KL at step 0 < 1e-3", kl, lambda v: v < 1e-3))
     return [(name, value, None if value is None else check(value)) for name, value, check in rows]
 
 
@@ -395,6 +451,11 @@ def measure(regime: Regime, mode: Mode, repeats: int, started: float) -> dict[st
         curves["prime-rl"].append(run_prime_rl(regime.config, model, WORK / regime.name / f"prime-rl-{i}", flags))
         curves["trl"].append(run_trl(regime.config, model, WORK / regime.name / f"trl-{i}", flags))
         print(f"[bench] {regime.name}: repeat {i + 1}/{repeats} done ({time.time() - started:.0f} s)", flush=True)
+    if mode.warm:  # after the others: an idle vLLM server keeps more than a core busy
+        with warm_server(regime.config, model, WORK / regime.name) as warm:
+            curves[WARM] = [run_prime_rl(regime.config, model, WORK / regime.name / f"prime-rl-warm-{i}", flags, warm, WARM)
+                            for i in range(repeats)]
+        print(f"[bench] {regime.name}: warm-server runs done ({time.time() - started:.0f} s)", flush=True)
     return curves
 
 

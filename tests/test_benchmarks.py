@@ -142,13 +142,25 @@ def test_targets_table_says_which_targets_hold(tmp_path):
     curves = {"prime-rl": [curve("prime-rl", [10, 11, 12, 13, 14, 15], [0.5, 0.5, 0.5, 0.5, 0.5, 0.8])],
               "trl": [curve("trl", [5, 7, 9, 11, 13, 15], [0.4] * 6)]}
     data = {"date": "d", "mode": "m", "machine": {}, **bench.summarize(curves, MODE),
-            "overheads": {"handoff share of step": 0.04, "transport share of step": 0.02,
+            "overheads": {"handoff share of step": 0.005, "transport share of step": 0.02,
                           "trainer step / bare loop step": 1.2, "orchestrator tokens/s / vLLM alone": 0.5}}
     (results / "quickstart.json").write_text(json.dumps(data))
     rows = {name.split(" ")[0] + name.split(" ")[1]: (value, holds) for name, value, holds in bench.targets(results)}
     assert rows["quickstart:seconds"] == (pytest.approx(0.5), True)  # 1 s vs 2 s a step
     assert rows["quickstart:time"] == (None, None)  # no 0.85 target in this mode: not reached
     assert rows["quickstart:reward"] == (pytest.approx(0.06), False)  # 0.5 -> mean(0.5 x 4, 0.8)
-    assert rows["weighthandoff"] == (0.04, True) and rows["transport<"] == (0.02, False)
+    assert rows["weighthandoff"] == (0.005, True) and rows["transport<"] == (0.02, False)
+    assert rows["quickstart:start-up"] == (None, None)  # no profile in this file
+    assert rows["quickstart,warm"] == (None, None)  # no warm-server runs in this file
     assert rows["trainerstep"] == (1.2, True) and rows["orchestrator>="] == (0.5, False)
     assert "| transport < 1% of a step | 0.02 | no |" in bench.write_results_md(results).read_text()
+
+
+def test_the_warm_server_runs_get_ratios_of_their_own():
+    curves = {"prime-rl": [curve("prime-rl", [10, 12, 14, 16], [0.5] * 4)],
+              "trl": [curve("trl", [5, 7, 9, 11], [0.4] * 4)],
+              bench.WARM: [curve(bench.WARM, [2, 3, 4, 5], [0.5] * 4)]}
+    ratios = bench.summarize(curves, MODE)["ratios"]
+    assert ratios["s_per_step prime-rl/trl"] == pytest.approx(1.0)
+    assert ratios[f"startup_s {bench.WARM}/trl"] == pytest.approx(2 / 5)
+    assert ratios[f"s_per_step {bench.WARM}/trl"] == pytest.approx(0.5)
