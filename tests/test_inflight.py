@@ -89,6 +89,7 @@ def test_the_step_is_cut_from_the_groups_that_complete_first():
         env.gate(first[1][1]).set()
         cut = await cutting
         assert examples(cut.groups) == [first[2][1], first[1][1]] and cut.stale == 0
+        assert cut.span_s >= cut.wait_s > 0  # since the pool began: the basis of the step's tokens/s
         assert cut.in_flight == 2 and pool.pending() == [first[0], first[3]]
         await pool.close()
         assert sorted(env.cancelled) == sorted([first[0][1], first[3][1]])

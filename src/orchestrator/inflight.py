@@ -81,6 +81,10 @@ class Cut:
     in_flight: int
     """Groups still in flight when the batch was cut."""
 
+    span_s: float
+    """Time since the previous cut (or since the pool began): what this step's groups took
+    to generate in the steady state, the basis of a rate."""
+
     filter_row: dict[str, float | int]
 
 
@@ -111,6 +115,7 @@ class GroupPool:
         self._done: deque[Group] = deque()
         self._failure: BaseException | None = None
         self._changed = asyncio.Event()
+        self._last_cut = time.perf_counter()
 
     # ----------------------------------------------------------------------- the step's batch
 
@@ -154,7 +159,9 @@ class GroupPool:
                 "filter/topped_up": topped_up,
                 "filter/sampled_reward_mean": float(np.mean(rewards)),
             }
-        return Cut(taken, stale, time.perf_counter() - start, len(self._in_flight), row)
+        now = time.perf_counter()
+        span, self._last_cut = now - self._last_cut, now
+        return Cut(taken, stale, now - start, len(self._in_flight), span, row)
 
     def fill(self, next_step: int) -> None:
         """Start as many groups as the slots and the async bound allow for ``next_step`` on

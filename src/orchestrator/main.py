@@ -197,6 +197,7 @@ def step_metrics(
     step_s: float,
     client_retries: int,
     requests_per_replica: list[int],
+    rate_s: float | None = None,
 ) -> dict[str, float | int]:
     rewards = np.array([item.rollout.reward for item in items])
     staleness = np.array([step - item.policy_version for item in items])
@@ -218,7 +219,7 @@ def step_metrics(
         "seq/completion_len_mean": float(completion_lens.mean()),
         "seq/len_max": int(total_lens.max()),
         "seq/truncated_frac": float((total_lens > cfg.seq_len).mean()),
-        "perf/tokens_per_s": float(completion_lens.sum() / max(generate_s, 1e-9)),
+        "perf/tokens_per_s": float(completion_lens.sum() / max(generate_s if rate_s is None else rate_s, 1e-9)),
         "time/generate": generate_s,
         "time/wait_weights": sync.wait_s,
         "time/reload": sync.reload_s,
@@ -331,6 +332,10 @@ class StepBatch:
     eval_row: dict | None = None
     """The evaluation that ran before the step (`eval.interval`)."""
 
+    rate_s: float | None = None
+    """Seconds the step's tokens took to generate, for `perf/tokens_per_s` (with continuous
+    batching the time since the previous step was cut; None = ``generate_s``)."""
+
 
 async def barrier_batch(step, version, envs, order, sampler, cfg, client, k, hb: Heartbeat) -> StepBatch:
     """The step barrier: (a) the policy synced between steps, (c) the step's examples and
@@ -366,7 +371,7 @@ async def continuous_batch(step, envs, sampler, cfg, client, pool: GroupPool, re
     versions = [(group.version, group.last_version) for group in cut.groups for _ in group.rollouts]
     row = {**cut.filter_row, "batch/stale_groups_dropped": cut.stale, "batch/groups_in_flight": cut.in_flight}
     return StepBatch([group.pick for group in cut.groups], rollouts, versions, reloads.take(client.version), cut.wait_s,
-                     row, {"order": pool.order.state_dict(), "pending": pool.pending()}, eval_row)
+                     row, {"order": pool.order.state_dict(), "pending": pool.pending()}, eval_row, cut.span_s)
 
 
 def eval_due(cfg: OrchestratorConfig, step: int) -> bool:
@@ -441,7 +446,8 @@ async def run(cfg: OrchestratorConfig, envs: list[tuple[str, Environment]], toke
             # (f) one batch per trainer rank, recorded (for a resume) before it is sent
             frames = [encode_batch(b) for b in pack_step(items, step, cfg)]
             step_s = time.perf_counter() - step_start
-            row = step_metrics(step, items, batch.sync, cfg, batch.generate_s, step_s, client.retries, client.requests_per_replica())
+            row = step_metrics(step, items, batch.sync, cfg, batch.generate_s, step_s, client.retries,
+                               client.requests_per_replica(), batch.rate_s)
             row.update(batch.row)
             row.update(startup_row)
             startup_row = {}
