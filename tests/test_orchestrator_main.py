@@ -423,3 +423,33 @@ def test_a_final_eval_waiting_for_weights_the_trainer_never_writes_ends_naming_t
             waiting = beat.waiting_for
     assert "final weights (step 1)" in waiting, waiting
     assert "weights/step_1 (with its STABLE marker)" in result["out"] and "Traceback" not in result["out"]
+
+
+def test_answered_requests_count_as_progress_for_the_watchdog(tmp_path, monkeypatch):
+    """A long evaluation sends no batch for a while: answered requests still move the
+    heartbeat's progress (and only when their count moved)."""
+    from prime_rl.heartbeat import Heartbeat, heartbeat_path, read_heartbeat
+
+    import orchestrator.main as orchestrator_main
+
+    monkeypatch.setattr(orchestrator_main, "PROGRESS_POLL_S", 0.01)
+
+    class Client:
+        answered = 0
+
+    async def go():
+        client, hb = Client(), Heartbeat(tmp_path, "orchestrator", min_interval_s=0.0)
+        task = asyncio.create_task(orchestrator_main.report_answers(client, hb))
+        with hb.waiting("the evaluation at step 3"):
+            await asyncio.sleep(0.05)
+            quiet = read_heartbeat(heartbeat_path(tmp_path, "orchestrator"))
+            client.answered = 7
+            await asyncio.sleep(0.05)
+            moved = read_heartbeat(heartbeat_path(tmp_path, "orchestrator"))
+        task.cancel()
+        return quiet, moved
+
+    quiet, moved = asyncio.run(go())
+    assert quiet.progress == "started" and quiet.waiting_for == "the evaluation at step 3"
+    assert moved.progress == "7 generation requests answered" and moved.waiting_for == "the evaluation at step 3"
+    assert moved.progress_unix > quiet.progress_unix

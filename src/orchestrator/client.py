@@ -133,6 +133,8 @@ class InferenceClient:
         """Where the round robin among equally loaded replicas starts next."""
         self.retries = 0
         """Requests retried after a transient transport error (reported in the metrics)."""
+        self.answered = 0
+        """Generation requests answered so far (all replicas): progress, for the watchdog."""
         self.version = 0
         """Policy version the replicas serve (0 = the model they started with); set by
         ``reload_weights``. It salts the prefix cache of every request (``cache_salt``)."""
@@ -382,6 +384,7 @@ class InferenceClient:
             replica.requests += 1
             try:
                 yield replica
+                self.answered += 1
             finally:
                 replica.in_flight -= 1
 

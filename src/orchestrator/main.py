@@ -70,6 +70,7 @@ from orchestrator.sender import BatchSender
 
 CONSOLE_KEYS = ("reward/mean", "policy/version", "staleness/max", "seq/completion_len_mean", "time/step")
 WEIGHTS_POLL_S = 0.1
+PROGRESS_POLL_S = 10.0
 
 
 # --------------------------------------------------------------------------- (a) policy sync
@@ -298,6 +299,17 @@ async def follow_weights(cfg: OrchestratorConfig, client: InferenceClient, pool:
         pool.fail(e)
 
 
+async def report_answers(client: InferenceClient, hb: Heartbeat) -> None:
+    """Answered generation requests are progress too (a long evaluation or preflight sends
+    no batch for a while): the heartbeat says so whenever their count moved."""
+    seen = client.answered
+    while True:
+        await asyncio.sleep(PROGRESS_POLL_S)
+        if client.answered != seen:
+            seen = client.answered
+            hb.progress(f"{seen} generation requests answered")
+
+
 def weights_stall(cfg: OrchestratorConfig, step: int) -> str:
     """Why step ``step`` cannot be sampled: the policy it needs is not there yet."""
     latest = latest_weights_step(cfg.output_dir)
@@ -405,6 +417,7 @@ async def run(cfg: OrchestratorConfig, envs: list[tuple[str, Environment]], toke
     )
     hb = Heartbeat(cfg.output_dir, "orchestrator")
     sender, pool, follower, delivered = None, None, None, False
+    answers = asyncio.create_task(report_answers(client, hb))
     try:
         sender = BatchSender(cfg.transport, cfg.num_trainer_ranks)  # bind early so trainer ranks can connect
         start, version, cursor = 0, 0, {"order": order.state_dict(), "pending": []}  # a fresh run: the initial model
@@ -476,6 +489,7 @@ async def run(cfg: OrchestratorConfig, envs: list[tuple[str, Environment]], toke
                 metrics.log(cfg.max_steps, await evaluate(envs, sampler, cfg, sync.version), process="eval")
         delivered = True
     finally:
+        answers.cancel()
         await stop_generation(pool, follower)
         # After the last step, linger so queued batches still reach the trainer; on an error, drop them.
         if sender is not None:
