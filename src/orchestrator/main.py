@@ -435,12 +435,7 @@ async def run(cfg: OrchestratorConfig, envs: list[tuple[str, Environment]], toke
             startup_row.update(probe_row(await client.probe_replicas(), "startup"))
         if cfg.batching == "continuous":
             reloads = Reloads([])
-            pool = GroupPool(
-                envs, order, sampler, rollouts_per_example=cfg.rollouts_per_example, groups_per_step=examples_per_step,
-                async_level=cfg.async_level, max_inflight=cfg.max_inflight_groups or (cfg.async_level + 1) * examples_per_step,
-                version=lambda: client.version, pending=cursor["pending"], log=log,
-            )
-            follower = asyncio.create_task(follow_weights(cfg, client, pool, reloads))
+            pool, follower = start_generation(cfg, envs, order, sampler, client, cursor["pending"], reloads)
             pool.fill(start)  # the first groups sample while the preflight runs (off the critical path)
         if start == 0 and cfg.preflight.enabled:
             metrics.log(0, await preflight(dict(envs), sampler, cfg.preflight, cfg.seed, log), process="preflight")
@@ -465,13 +460,7 @@ async def run(cfg: OrchestratorConfig, envs: list[tuple[str, Environment]], toke
             row.update(startup_row)
             startup_row = {}
             if record_progress:
-                record = StepRecord(
-                    step, frames, cursor["order"], batch.cursor["order"], batch.picks,
-                    min(item.policy_version for item in items), max(v for _, v in batch.versions), data, row,
-                    cursor["pending"], batch.cursor["pending"],
-                )
-                save_record(cfg.output_dir, record)
-                prune_records(cfg.output_dir)
+                record_step(cfg, step, frames, cursor, batch, items, data, row)
             cursor = batch.cursor
             for rank, frame in enumerate(frames):
                 sender.send_frame(rank, step, frame)
@@ -496,6 +485,29 @@ async def run(cfg: OrchestratorConfig, envs: list[tuple[str, Environment]], toke
             sender.close(flush=delivered)
         await client.close()
         metrics.close()
+
+
+def start_generation(cfg, envs, order, sampler, client: InferenceClient, pending, reloads: Reloads) -> tuple[GroupPool, asyncio.Task]:
+    """Continuous batching: the pool of groups in flight, and the weight follower beside it."""
+    groups = cfg.batch_size // cfg.rollouts_per_example
+    pool = GroupPool(
+        envs, order, sampler, rollouts_per_example=cfg.rollouts_per_example, groups_per_step=groups,
+        async_level=cfg.async_level, max_inflight=cfg.max_inflight_groups or (cfg.async_level + 1) * groups,
+        version=lambda: client.version, pending=pending, log=log,
+    )
+    return pool, asyncio.create_task(follow_weights(cfg, client, pool, reloads))
+
+
+def record_step(cfg: OrchestratorConfig, step: int, frames: list[bytes], cursor: dict, batch: StepBatch,
+                items: list[ScoredRollout], data: dict, row: dict) -> None:
+    """The step's batch and cursors in `rollouts/step_n/` (for a resume), before it is sent."""
+    record = StepRecord(
+        step, frames, cursor["order"], batch.cursor["order"], batch.picks,
+        min(item.policy_version for item in items), max(v for _, v in batch.versions), data, row,
+        cursor["pending"], batch.cursor["pending"],
+    )
+    save_record(cfg.output_dir, record)
+    prune_records(cfg.output_dir)
 
 
 def pack_step(items: list[ScoredRollout], step: int, cfg: OrchestratorConfig):
