@@ -51,12 +51,12 @@ class Version:
         return self.value
 
 
-def make_pool(env, version, *, k=2, async_level=1, max_inflight=8, pending=(), logs=None):
+def make_pool(env, version, *, k=2, async_level=1, max_inflight=8, pending=(), logs=None, max_steps=None):
     order = ExampleOrder([len(env.dataset)], seed=0)
     pool = GroupPool(
         [("env", env)], order, sampler=None, rollouts_per_example=N, groups_per_step=k, async_level=async_level,
         max_inflight=max_inflight, version=version, pending=list(pending),
-        log=(logs.append if logs is not None else lambda _: None),
+        log=(logs.append if logs is not None else lambda _: None), max_steps=max_steps,
     )
     return pool, ExampleOrder([len(env.dataset)], seed=0)
 
@@ -264,6 +264,18 @@ def test_the_filter_drops_groups_without_signal_up_to_its_cap():
         cut = await pool.cut(0, stall, 5, f)
         assert examples(cut.groups) == [picks[1][1]]  # the first dropped, the second kept at the cap
         assert cut.filter_row["filter/extra_rollouts"] == N and cut.filter_row["filter/topped_up"] == 1
+        await pool.close()
+
+    asyncio.run(go())
+
+
+def test_no_group_starts_for_a_step_past_the_last():
+    async def go():
+        env, version = GatedEnv(), Version()
+        pool, reference = make_pool(env, version, k=2, async_level=1, max_inflight=8, max_steps=1)
+        pool.fill(0)  # version 0 may sample steps 0 and 1, but the run has step 0 only
+        await settle()
+        assert env.started == [i for _, i in reference.next(2)]
         await pool.close()
 
     asyncio.run(go())

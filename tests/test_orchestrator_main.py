@@ -388,11 +388,13 @@ def test_a_reload_that_never_answers_fails_the_run_naming_it(tmp_path, tiny_mode
     assert "Traceback" not in result["out"]
 
 
-def test_groups_in_flight_at_the_end_are_cancelled_and_the_process_exits(tmp_path, tiny_model):
-    """The last batch is sent while groups of later examples are still in flight (one of
-    them would take 60 s): they are cancelled and the orchestrator exits at once."""
+def test_no_group_starts_past_the_last_step_and_the_process_exits_at_once(tmp_path, tiny_model):
+    """async_level 1 would let version 0 sample steps 0 and 1, but the run has one step: only
+    its two groups are sampled (a third request would take 60 s), and the orchestrator exits
+    as soon as the batch is taken. Groups still in flight at the end (the filter's
+    replacements) are cancelled: tests/test_inflight.py."""
     def slow_sometimes(messages, index):
-        if index >= 4:  # every group after the first step's two
+        if index >= 4:  # samples after the step's 2 groups x 2 rollouts
             time.sleep(60)
         return "x"
 
@@ -402,6 +404,8 @@ def test_groups_in_flight_at_the_end_are_cancelled_and_the_process_exits(tmp_pat
                               client={"base_url": server.url, "timeout_s": 120})
         with orchestrator_process(config, tmp_path, result=result) as receive:
             receive(0)
+        requests = [path for _, path, _ in server.calls if path == "/v1/completions"]
+    assert len(requests) == 2, requests
     assert result["exit_s"] < 10, result
 
 

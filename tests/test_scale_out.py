@@ -97,7 +97,10 @@ def test_two_ranks_and_two_replicas_then_resume_on_one(tmp_path, tiny_model):
     # same logprobs for the same prompt, and not those of the weights before.
     probes = [(orchestrator[0]["startup/probe_logprob/0"], orchestrator[0]["startup/probe_logprob/1"])]
     probes += [(r["weights/probe_logprob/0"], r["weights/probe_logprob/1"]) for r in orchestrator if "weights/reloaded_step" in r]
-    assert len(probes) >= 3, orchestrator  # the start and at least two reloads
+    # the start and at least one reload: with continuous batching a step's row holds the
+    # newest reload since the previous step (weights load in the background), and step 2
+    # needs version 1, so a reload is logged by then
+    assert len(probes) >= 2, orchestrator
     for a, b in probes:
         assert math.isclose(a, b, abs_tol=1e-3), probes
     assert len({round(a, 4) for a, _ in probes}) == len(probes), f"each reload changes what is served: {probes}"

@@ -19,8 +19,9 @@ holds.
 Admission, the async bound ahead of time: the j-th group not yet in a batch (counting the
 step's groups already cut, the completed ones and those in flight) will go to step
 ``next_step + j // groups_per_step``, so it starts only when the version served now can
-train that step: ``version >= next_step + j // groups_per_step - async_level``. The
-orchestrator therefore never samples further ahead than ``async_level``.
+train that step: ``version >= next_step + j // groups_per_step - async_level``, and only
+when that step exists (< ``max_steps``). The orchestrator therefore never samples further
+ahead than ``async_level``, nor past the run's last step.
 
 Determinism, for a resume: examples are picked from the seeded order as groups start.
 ``pending()`` lists the picks of the groups started but in no batch yet, in start order;
@@ -102,11 +103,14 @@ class GroupPool:
         version: Callable[[], int],
         pending: list[tuple[int, int]] = (),
         log: Callable[[str], None] = print,
+        max_steps: int | None = None,
     ):
         self.envs, self.order, self.sampler = envs, order, sampler
         self.n, self.k, self.async_level, self.max_inflight = rollouts_per_example, groups_per_step, async_level, max_inflight
         self.version = version
         """The policy version the inference server serves now."""
+        self.max_steps = max_steps
+        """No group starts that would land in a step at or past this one (the run's end)."""
         self.log = log
         self._restart = deque(tuple(p) for p in pending)
         """Picks to start before drawing new ones: a resumed run's groups that were in flight."""
@@ -227,7 +231,8 @@ class GroupPool:
         """Start groups while a slot is free and the version served now may train the step
         each new group would land in."""
         j = taken + len(self._done) + len(self._in_flight)
-        while len(self._in_flight) < self.max_inflight and self.version() >= next_step + j // self.k - self.async_level:
+        while (len(self._in_flight) < self.max_inflight and self.version() >= next_step + j // self.k - self.async_level
+               and (self.max_steps is None or next_step + j // self.k < self.max_steps)):
             self._start(self._restart.popleft() if self._restart else self.order.next(1)[0])
             j += 1
 

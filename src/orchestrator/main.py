@@ -493,7 +493,7 @@ def start_generation(cfg, envs, order, sampler, client: InferenceClient, pending
     pool = GroupPool(
         envs, order, sampler, rollouts_per_example=cfg.rollouts_per_example, groups_per_step=groups,
         async_level=cfg.async_level, max_inflight=cfg.max_inflight_groups or (cfg.async_level + 1) * groups,
-        version=lambda: client.version, pending=pending, log=log,
+        version=lambda: client.version, pending=pending, log=log, max_steps=cfg.max_steps,
     )
     return pool, asyncio.create_task(follow_weights(cfg, client, pool, reloads))
 
