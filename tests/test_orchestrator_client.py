@@ -260,6 +260,33 @@ def test_an_in_flight_reload_keeps_the_request_and_labels_it_with_both_versions(
     assert paths.index("/resume") < len(paths) - 1 - paths[::-1].index("/v1/completions")  # the second came after
 
 
+def test_a_reload_cancelled_after_its_pause_still_resumes_the_server(tmp_path):
+    """A run stopped mid-reload (its weight follower cancelled) must not leave the engine
+    paused: a warm server outlives the run, and the next run's requests would wait forever."""
+    entered, release = threading.Event(), threading.Event()
+
+    def held(messages, index):
+        entered.set()
+        release.wait(10)
+        return "x"
+
+    async def go(client):
+        request = asyncio.ensure_future(complete(client, max_tokens=4))
+        await asyncio.to_thread(entered.wait, 10)
+        reload = asyncio.ensure_future(client.reload_weights(tmp_path, 1, keep=True))
+        while "/collective_rpc" not in server.admin_calls():
+            await asyncio.sleep(0.01)
+        reload.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await reload
+        release.set()
+        await request
+
+    with FakeInferenceServer(responder=held, delay={"/collective_rpc": 1.0}) as server:
+        run_with_client(server, go)
+    assert server.admin_calls() == ["/pause?mode=keep", "/collective_rpc", "/resume"]
+
+
 def test_failed_reload_names_the_call_and_still_resumes(tmp_path):
     def slow(messages, index):
         time.sleep(0.5)

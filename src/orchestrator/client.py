@@ -273,6 +273,11 @@ class InferenceClient:
         if self.lora_adapter is not None:
             self.model_name = self.lora_adapter
 
+    async def resume(self) -> None:
+        """Resume every replica's engine: a server that outlived a run (`prime-rl inference`)
+        may have been left paused by a run killed mid-reload. A no-op on one that runs."""
+        await self._on_every_replica(lambda replica: self._post(replica, "/resume"))
+
     async def probe_replicas(self) -> list[float]:
         """Score one fixed prompt on every replica: the sum of its tokens' logprobs, a number
         that depends only on the weights (the same on every call: measured bit-identical on
@@ -315,9 +320,9 @@ class InferenceClient:
         cache with their version (``cache_salt``), and the cache is reset too when no
         sequence holds blocks (vLLM refuses a reset while frozen sequences hold them)."""
         drain = replica.in_flight > 0
-        if drain:
-            await self._post(replica, "/pause", params={"mode": mode})
         try:
+            if drain:
+                await self._post(replica, "/pause", params={"mode": mode})
             if self.lora_adapter is None:
                 # Not re-sent after a timeout or a broken connection: the first may still be running
                 # in the engine, and a second would load behind its back (sent again only when it
@@ -337,10 +342,12 @@ class InferenceClient:
                 )
             if not (drain and mode == "keep"):
                 await self._reset_prefix_cache(replica)
-        except Exception:
-            # Leave the server serving rather than paused forever; the error still propagates.
+        except BaseException:
+            # Leave the server serving rather than paused forever, also when the run stops
+            # mid-reload (a warm server outlives it; a reload still running in the engine
+            # finishes before the resume is handled); the error still propagates.
             if drain:
-                await self._post(replica, "/resume", check=False)
+                await asyncio.shield(self._post(replica, "/resume", check=False))
             raise
         if drain:
             await self._post(replica, "/resume")

@@ -428,6 +428,7 @@ async def run(cfg: OrchestratorConfig, envs: list[tuple[str, Environment]], toke
             await client.wait_healthy(cfg.client.startup_timeout_s)
         startup_row = {"startup/server_ready_unix": time.time()}  # in the first step's row (benchmarks.run reads it)
         if cfg.initial_weights is not None:  # a running server (another run's): our own weights first
+            await client.resume()  # a run killed mid-reload leaves it paused
             await client.reload_weights(cfg.initial_weights, version)
         elif version > 0 and cfg.lora_adapter is not None:  # LoRA: inference serves the base; load the adapter
             await client.reload_weights(weights_step_dir(cfg.output_dir, version), version)
