@@ -228,10 +228,9 @@ def test_reload_weights_with_a_request_in_flight_drains_it_first(tmp_path):
     assert server.admin_calls() == ["/pause?mode=wait", "/collective_rpc", "/reset_prefix_cache", "/resume"]
 
 
-def test_an_in_flight_reload_keeps_the_request_and_labels_it_with_both_versions(tmp_path):
-    """keep: the request in flight is frozen, not drained (no prefix-cache reset while it holds
-    blocks), continues on the new weights, and comes back labelled (old, new); a request
-    made during the reload waits for it, and each version salts the prefix cache its own way."""
+def held_first_request():
+    """(entered, release, responder): the fake server's first request sets ``entered`` and
+    is answered only once the test sets ``release``: a request in flight, event-driven."""
     entered, release = threading.Event(), threading.Event()
 
     def held(messages, index):
@@ -239,6 +238,15 @@ def test_an_in_flight_reload_keeps_the_request_and_labels_it_with_both_versions(
             entered.set()
             release.wait(10)
         return "x"
+
+    return entered, release, held
+
+
+def test_an_in_flight_reload_keeps_the_request_and_labels_it_with_both_versions(tmp_path):
+    """keep: the request in flight is frozen, not drained (no prefix-cache reset while it holds
+    blocks), continues on the new weights, and comes back labelled (old, new); a request
+    made during the reload waits for it, and each version salts the prefix cache its own way."""
+    entered, release, held = held_first_request()
 
     async def go(client):
         first = asyncio.ensure_future(complete(client, max_tokens=4))
@@ -263,12 +271,7 @@ def test_an_in_flight_reload_keeps_the_request_and_labels_it_with_both_versions(
 def test_a_reload_cancelled_after_its_pause_still_resumes_the_server(tmp_path):
     """A run stopped mid-reload (its weight follower cancelled) must not leave the engine
     paused: a warm server outlives the run, and the next run's requests would wait forever."""
-    entered, release = threading.Event(), threading.Event()
-
-    def held(messages, index):
-        entered.set()
-        release.wait(10)
-        return "x"
+    entered, release, held = held_first_request()
 
     async def go(client):
         request = asyncio.ensure_future(complete(client, max_tokens=4))
