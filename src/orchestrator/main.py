@@ -94,11 +94,7 @@ async def wait_for_weights(run_dir: Path, min_step: int, timeout_s: float) -> in
     deadline = time.monotonic() + timeout_s
     while (latest := latest_weights_step(run_dir)) is None or latest < min_step:
         if time.monotonic() >= deadline:
-            raise TimeoutError(
-                f"waited {timeout_s:.0f} s for {weights_step_dir(run_dir, min_step)} (with its {MARKER} marker); "
-                f"newest complete weights: {latest if latest is not None else 'none'} in {weights_dir(run_dir)}. "
-                "Is the trainer running and receiving batches?"
-            )
+            raise TimeoutError(weights_missing(run_dir, min_step, timeout_s))
         await asyncio.sleep(WEIGHTS_POLL_S)
     return latest
 
@@ -312,10 +308,15 @@ async def report_answers(client: InferenceClient, hb: Heartbeat) -> None:
 
 def weights_stall(cfg: OrchestratorConfig, step: int) -> str:
     """Why step ``step`` cannot be sampled: the policy it needs is not there yet."""
-    latest = latest_weights_step(cfg.output_dir)
+    return weights_missing(cfg.output_dir, step, cfg.weights_timeout_s)
+
+
+def weights_missing(run_dir: Path, step: int, timeout_s: float) -> str:
+    """The one-line error of a wait for `weights/step_<step>` that ran out."""
+    latest = latest_weights_step(run_dir)
     return (
-        f"waited {cfg.weights_timeout_s:.0f} s for {weights_step_dir(cfg.output_dir, step)} (with its {MARKER} marker); "
-        f"newest complete weights: {latest if latest is not None else 'none'} in {weights_dir(cfg.output_dir)}. "
+        f"waited {timeout_s:.0f} s for {weights_step_dir(run_dir, step)} (with its {MARKER} marker); "
+        f"newest complete weights: {latest if latest is not None else 'none'} in {weights_dir(run_dir)}. "
         "Is the trainer running and receiving batches?"
     )
 
