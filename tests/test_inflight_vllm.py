@@ -23,8 +23,11 @@ from helpers import REPO, free_port, new_tag, tagged_processes
 from test_inference_auth import stop_process_group
 
 PROMPT = [257, *b"user\nsay something long", 258, 257, *b"assistant\n"]
-LONG = 400  # tokens of the completion a reload interrupts
-SEQ_LEN = 512
+# Tokens of the completion a reload interrupts: long enough that the engine is still in it
+# when the pause lands, also on a loaded machine (a CI run saw a 400-token one end before
+# the pause reached the engine; here the tiny model makes ~250 tokens/s).
+LONG = 1500
+SEQ_LEN = 2048
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +102,7 @@ def hf_logprobs(model_dir, prompt, completion):
 
 
 def test_a_reload_mid_completion_trains_each_token_on_the_logprob_it_was_sampled_with(server, tiny_model, other_weights):
-    """A 400-token completion, new weights loaded after its first 40 tokens (keep: the
+    """A 1500-token completion, new weights loaded after its first 40 tokens (keep: the
     sequence is frozen, not dropped): its first tokens carry the old policy's logprobs, its
     last ones the new policy's, the sample records both versions, and the loss's importance
     ratio uses each token's own sampled logprob."""
@@ -173,7 +176,7 @@ def test_the_prefix_cache_never_serves_kv_across_policy_versions(server, tiny_mo
             first = prefix_cache_hits(server)
             await client.complete_n(prompt, n=1, max_tokens=2, temperature=1.0)
             same_version = prefix_cache_hits(server) - first
-            holder = asyncio.ensure_future(streamed_completion(http, str(tiny_model), 300, cache_salt(0), started, 20, prompt))
+            holder = asyncio.ensure_future(streamed_completion(http, str(tiny_model), 1000, cache_salt(0), started, 20, prompt))
             await started.wait()  # in flight: it holds version 0's blocks of the prompt
             client.replicas[0].in_flight += 1
             await client.reload_weights(other_weights, 1, keep=True)
