@@ -16,6 +16,16 @@ def tiny_model(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def other_tiny_model(tmp_path_factory) -> Path:
+    """The tiny model's architecture and tokenizer with other weights (seed 1): a new policy,
+    or a teacher of the tiny model."""
+    out = tmp_path_factory.mktemp("models") / "tiny-seed1"
+    subprocess.run([sys.executable, str(REPO / "scripts" / "build_tiny_model.py"), str(out), "--seed", "1"],
+                   check=True, capture_output=True)
+    return out
+
+
+@pytest.fixture(scope="session")
 def sampling_defaults_model(tiny_model, tmp_path_factory) -> Path:
     """The tiny model with a `generation_config.json` that truncates sampling (top_k 3, top_p
     0.5), as real models ship one (Qwen3: top_k 20, top_p 0.8). vLLM would apply it to every

@@ -1,9 +1,11 @@
-"""Test helpers: free ports, process discovery by tag, tiny run configs."""
+"""Test helpers: free ports, process discovery by tag, tiny run configs, launcher runs."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import signal
 import socket
 import subprocess
 import sys
@@ -11,6 +13,9 @@ import time
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
+
+from prime_rl.launcher import tail
+from prime_rl.rundir import MARKER, checkpoint_step_dir, log_path
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -164,3 +169,58 @@ def sandbox_unavailable() -> str | None:
     except SandboxUnavailable as e:
         return str(e)
     return None
+
+
+# --------------------------------------------------------------------------- launcher runs
+
+def finish(proc, run_dir, timeout=900) -> str:
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        out, _ = proc.communicate(timeout=60)
+    logs = "".join(f"\n--- {p} ---\n{tail(log_path(run_dir, p), 40)}" for p in ("inference", "orchestrator", "trainer"))
+    assert proc.returncode == 0, out + logs
+    return out
+
+
+def start_launcher(config, *flags):
+    tag = new_tag()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "prime_rl.cli", str(config), "--no-tmux", *flags],
+        env={**os.environ, "PRIME_RL_TEST_TAG": tag}, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    return proc, tag
+
+
+def kill_mid_run(run_dir, config, marker, after_checkpoint: int) -> tuple[str, int, float]:
+    """Start the trio, SIGKILL the process whose command line holds ``marker`` once checkpoint
+    ``after_checkpoint`` is complete; returns the launcher's output, exit code and seconds it
+    took to stop."""
+    proc, tag = start_launcher(config)
+    try:
+        deadline = time.monotonic() + 600
+        while not (checkpoint_step_dir(run_dir, after_checkpoint) / MARKER).is_file():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() is not None else "timeout"
+            time.sleep(0.1)
+        (pid,) = [pid for pid, cmd in tagged_processes(tag) if marker in cmd and "torch.distributed" not in cmd]
+        os.kill(pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        out, _ = proc.communicate(timeout=120)
+        stopped_s = time.monotonic() - killed_at
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert tagged_processes(tag) == [], "no process may survive a failed run"
+    return out, proc.returncode, stopped_s
+
+
+def resume(run_dir, config, *flags) -> tuple[int, float]:
+    """Resume the run to its end; returns the checkpoint step it resumed from and its wall time."""
+    started = time.monotonic()
+    proc, tag = start_launcher(config, *flags)
+    out = finish(proc, run_dir)
+    assert tagged_processes(tag) == []
+    (step,) = re.findall(r"resuming .* from checkpoint step (\d+)", out)
+    return int(step), time.monotonic() - started

@@ -2,14 +2,13 @@
 
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
 
 import pytest
 
-from helpers import REPO, free_port, mask_spans, new_tag, tagged_processes, trio_toml
+from helpers import REPO, finish, free_port, kill_mid_run, mask_spans, new_tag, resume, start_launcher, tagged_processes, trio_toml
 from prime_rl.launcher import tail
 from orchestrator.data import ExampleOrder
 from orchestrator.envs import load_env
@@ -17,7 +16,6 @@ from orchestrator.progress import load_record
 from prime_rl.config import EnvConfig
 from prime_rl.rundir import (
     MARKER,
-    checkpoint_step_dir,
     complete_steps,
     log_path,
     metrics_path,
@@ -41,23 +39,22 @@ def launch(tmp_path, tiny_model, run_name: str, *flags: str):
     return proc, run_dir, tag
 
 
-def finish(proc, run_dir, timeout=900) -> str:
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.terminate()
-        out, _ = proc.communicate(timeout=60)
-    logs = "".join(f"\n--- {p} ---\n{tail(log_path(run_dir, p), 40)}" for p in ("inference", "orchestrator", "trainer"))
-    assert proc.returncode == 0, out + logs
-    return out
-
-
+@pytest.mark.slow  # the same checks run in tmux mode below; headless runs in every other trio test
 def test_real_trio_headless(tmp_path, sampling_defaults_model):
-    """The trio on a model whose generation_config.json truncates sampling (top_k 3, top_p
-    0.5): the samples still come from the full softmax the trainer scores (mismatch KL at
-    the first step below 1e-3; 7.5e-2 with such a file before requests pinned every field)."""
+    """The trio headless, on a model whose generation_config.json truncates sampling (see
+    ``assert_trained_and_handed_off``)."""
     proc, run_dir, tag = launch(tmp_path, sampling_defaults_model, "headless", "--no-tmux")
     finish(proc, run_dir)
+    assert_trained_and_handed_off(run_dir)
+    assert tagged_processes(tag) == [], "no child process may survive the run"
+
+
+def assert_trained_and_handed_off(run_dir) -> None:
+    """Every step trained and logged once within the async bound, new weights reloaded in
+    order, and the samples drawn from the full softmax the trainer scores: the model's
+    generation_config.json truncates sampling (top_k 3, top_p 0.5), yet the mismatch KL at
+    the first step stays below 1e-3 (7.5e-2 with such a file before requests pinned every
+    field)."""
     rows = read_jsonl(metrics_path(run_dir))
 
     orchestrator = [r for r in rows if r["process"] == "orchestrator" and "reward/mean" in r]
@@ -78,13 +75,13 @@ def test_real_trio_headless(tmp_path, sampling_defaults_model):
     assert trainer[0]["loss/mismatch_kl"] < 1e-3, trainer[0]
     assert (weights_step_dir(run_dir, MAX_STEPS) / MARKER).is_file()
 
-    assert tagged_processes(tag) == [], "no child process may survive the run"
 
-
-def test_tmux_mode_shows_one_pane_per_process(tmp_path, tiny_model):
+def test_tmux_mode_shows_one_pane_per_process(tmp_path, sampling_defaults_model):
+    """The real trio in tmux: one pane per process following its log, the session gone after
+    the run, and the run itself sound (``assert_trained_and_handed_off``)."""
     import libtmux
 
-    proc, run_dir, tag = launch(tmp_path, tiny_model, f"tmux-{os.getpid()}")
+    proc, run_dir, tag = launch(tmp_path, sampling_defaults_model, f"tmux-{os.getpid()}")
     session_name = f"prime-rl-{run_dir.name}"
     server = libtmux.Server()
     seen: dict[str, bool] = {}
@@ -109,6 +106,7 @@ def test_tmux_mode_shows_one_pane_per_process(tmp_path, tiny_model):
     assert f"tmux attach -t {session_name}" in out
     assert not server.has_session(session_name), "the tmux session must be gone after the run"
     assert tagged_processes(tag) == []
+    assert_trained_and_handed_off(run_dir)
 
 
 # --------------------------------------------------------------------------- kill, then resume
@@ -117,48 +115,6 @@ RESUME_RUN = {"max_steps": 32, "lr": 1e-2, "batch_size": 64, "rollouts_per_examp
 """Long and fast-learning enough that the reward clearly leaves its baseline before the kill."""
 CKPT = "\n[ckpt]\ninterval = 4\nkeep_last = 10\n"
 KILL_AFTER_CHECKPOINT = 16
-
-
-def start_launcher(config, *flags):
-    tag = new_tag()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "prime_rl.cli", str(config), "--no-tmux", *flags],
-        env={**os.environ, "PRIME_RL_TEST_TAG": tag}, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
-    return proc, tag
-
-
-def kill_mid_run(run_dir, config, marker, after_checkpoint: int = KILL_AFTER_CHECKPOINT) -> tuple[str, int, float]:
-    """Start the trio, SIGKILL the process whose command line holds ``marker`` once checkpoint
-    ``after_checkpoint`` is complete; returns the launcher's output, exit code and seconds it
-    took to stop."""
-    proc, tag = start_launcher(config)
-    try:
-        deadline = time.monotonic() + 600
-        while not (checkpoint_step_dir(run_dir, after_checkpoint) / MARKER).is_file():
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() is not None else "timeout"
-            time.sleep(0.1)
-        (pid,) = [pid for pid, cmd in tagged_processes(tag) if marker in cmd and "torch.distributed" not in cmd]
-        os.kill(pid, signal.SIGKILL)
-        killed_at = time.monotonic()
-        out, _ = proc.communicate(timeout=120)
-        stopped_s = time.monotonic() - killed_at
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert tagged_processes(tag) == [], "no process may survive a failed run"
-    return out, proc.returncode, stopped_s
-
-
-def resume(run_dir, config, *flags) -> tuple[int, float]:
-    """Resume the run to its end; returns the checkpoint step it resumed from and its wall time."""
-    started = time.monotonic()
-    proc, tag = start_launcher(config, *flags)
-    out = finish(proc, run_dir)
-    assert tagged_processes(tag) == []
-    (step,) = re.findall(r"resuming .* from checkpoint step (\d+)", out)
-    return int(step), time.monotonic() - started
 
 
 def recorded_picks(run_dir, first_step: int) -> dict[int, list]:
@@ -226,7 +182,7 @@ def test_a_killed_process_stops_the_run_and_the_run_resumes(tmp_path, tiny_model
     run_dir, config = tmp_path / "run", tmp_path / "run.toml"
     config.write_text(trio_toml(tiny_model, run_dir, async_level=ASYNC_LEVEL, **RESUME_RUN, extra=CKPT))
 
-    out, code, stopped_s = kill_mid_run(run_dir, config, marker)
+    out, code, stopped_s = kill_mid_run(run_dir, config, marker, KILL_AFTER_CHECKPOINT)
     assert code == 1, out
     assert f"{victim} failed: it was killed by SIGKILL" in out, out
     assert f"last lines of {log_path(run_dir, victim)}" in out
@@ -354,7 +310,9 @@ def test_tool_calling_trio_parses_calls_with_vllm_and_trains_only_the_model_toke
     assert trainer[0]["loss/mismatch_kl"] < 1e-3, trainer[0]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+# llama is slow-marked to keep the default suite near 20 minutes: packing's tests compare
+# its logprobs with one row per sample on CPU; the trio runs the other family here.
+@pytest.mark.parametrize("arch", [pytest.param("llama", marks=pytest.mark.slow), "qwen3_moe"])
 def test_other_model_families_train_hand_off_and_match_vllm(tmp_path, arch):
     """The documentation's other families (Qwen3 dense is every other trio test's model),
     tiny and random: the trainer steps with FSDP2, writes weights vLLM reloads, and vLLM's
