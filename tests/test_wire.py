@@ -15,6 +15,7 @@ from prime_rl.wire import (
     make_sample,
     max_frame_bytes,
     sample_arrays,
+    teacher_array,
 )
 
 
@@ -148,3 +149,43 @@ def test_max_frame_bytes_bounds_a_full_frame():
                            policy_version=2**40, example_id=2**40) for _ in range(n)]
     frame = encode_batch(TrainBatch(SCHEMA_VERSION, 2**40, 0, 0.7, [MicroBatch(samples[:4]), MicroBatch(samples[4:])]))
     assert len(frame) <= max_frame_bytes(n, seq_len) < 2 * len(frame)
+
+
+# --------------------------------------------------------------------------- distillation: the teacher's logprobs
+
+
+def teacher_sample(teacher=(0.0, -0.25, -2.0)):
+    return make_sample([1, 2, 3], [0, 1, 1], [0.0, -0.5, -1.0], advantage=0.5, reward=1.0, policy_version=0,
+                       example_id=0, teacher_logprobs=list(teacher))
+
+
+def test_teacher_logprobs_round_trip():
+    original = teacher_sample()
+    decoded = decode_batch(frame_with([MicroBatch([original])])).micro_batches[0].samples[0]
+    assert decoded == original
+    assert teacher_array(decoded).tolist() == [0.0, -0.25, -2.0]
+    assert teacher_array(one_sample()) is None  # RL samples carry none
+
+
+@pytest.mark.parametrize(
+    "teacher, error",
+    [
+        (np.zeros(2, dtype="<f4").tobytes(), "2 teacher logprobs for 3 tokens"),
+        (np.array([0.0, float("nan"), -1.0], dtype="<f4").tobytes(), "teacher logprobs must be finite and not positive"),
+        (np.array([0.0, 0.5, -1.0], dtype="<f4").tobytes(), "teacher logprobs must be finite and not positive"),
+    ],
+    ids=["length", "nan", "positive"],
+)
+def test_bad_teacher_logprobs_are_rejected_naming_the_sample(teacher, error):
+    bad = msgspec.structs.replace(teacher_sample(), teacher_logprobs=teacher)
+    with pytest.raises(WireError, match=rf"micro_batches\[0\].samples\[1\]: {error}"):
+        decode_batch(frame_with([MicroBatch([teacher_sample(), bad])]))
+
+
+def test_a_batch_with_teacher_logprobs_on_some_samples_only_is_rejected():
+    common = dict(advantage=0.0, reward=0.0, policy_version=0, example_id=0)
+    a = make_sample([1, 2, 3], [0, 1, 1], [0, -0.5, -0.5], teacher_logprobs=[0, -0.1, -0.2], **common)
+    b = make_sample([1, 2, 3], [0, 1, 1], [0, -0.5, -0.5], **common)
+    frame = encode_batch(TrainBatch(SCHEMA_VERSION, 0, 0, 1.0, [MicroBatch([a, b])]))
+    with pytest.raises(WireError, match="^1 of 2 samples carry teacher logprobs: all or none must$"):
+        decode_batch(frame)

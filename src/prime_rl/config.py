@@ -366,6 +366,27 @@ class OptimConfig(StrictModel):
     """Linear learning-rate warm-up steps."""
 
 
+class DistillConfig(StrictModel):
+    """On-policy distillation (`[trainer.loss.distill]`, with a `[teacher]`): the teacher scores
+    every token the student sampled, and each sampled token's advantage becomes
+    `reward_weight * A - kl_weight * (log p_student - log p_teacher)`, A the group advantage
+    of its rollout and log p_student the logprob it was sampled with (the per-token reverse
+    KL as a penalty). The importance correction stays as it is."""
+
+    reward_weight: float = Field(0.0, ge=0)
+    """Weight of the group advantage: 0 = pure distillation (the reward is only logged), 1 with
+    `kl_weight` > 0 = RL plus distillation."""
+
+    kl_weight: float = Field(1.0, ge=0)
+    """Weight of the per-token reverse KL to the teacher."""
+
+    @model_validator(mode="after")
+    def _some_signal(self) -> DistillConfig:
+        if self.reward_weight == 0 and self.kl_weight == 0:
+            raise ValueError("reward_weight and kl_weight are both 0: nothing would be learned; set kl_weight > 0")
+        return self
+
+
 class LossConfig(StrictModel):
     """Token-level policy-gradient loss corrected by the trainer/inference importance ratio."""
 
@@ -388,7 +409,10 @@ class LossConfig(StrictModel):
     """The log-ratio is clamped to [-c, c] before `exp` so the ratio stays finite."""
 
     denominator: Literal["informative", "all"] = "informative"
-    """Tokens the step's loss is averaged over: `informative` counts the loss tokens of samples with a nonzero advantage only (a group whose rewards were all equal teaches nothing and must not shrink the step of the others), `all` counts every loss token."""
+    """Tokens the step's loss is averaged over: `informative` counts the loss tokens of samples with a nonzero advantage only (a group whose rewards were all equal teaches nothing and must not shrink the step of the others), `all` counts every loss token. With distillation (`kl_weight` > 0) every sample is informative."""
+
+    distill: DistillConfig | None = None
+    """On-policy distillation toward `[teacher]` (`[trainer.loss.distill]`); None = RL only."""
 
     @model_validator(mode="after")
     def _band(self) -> LossConfig:
@@ -587,6 +611,25 @@ class FilterConfig(StrictModel):
         return self
 
 
+class TeacherClientConfig(StrictModel):
+    """The orchestrator's teacher (filled from `[teacher]` in an RL run): a vLLM server scoring
+    the student's tokens (prompt logprobs over the student's exact token ids)."""
+
+    model: str
+    """Model name sent in requests."""
+
+    client: ClientConfig = ClientConfig()
+    """The teacher server's URL, timeouts and retries."""
+
+    api_key_env: str | None = None
+    """Environment variable holding the teacher's API key (an endpoint's `key`); None = no key."""
+
+    system_prompt: str | None = None
+    """Context distillation: the teacher scores each completion under the conversation with
+    this system message (replacing the conversation's own, or put first); None = the
+    student's exact prompt."""
+
+
 class OrchestratorConfig(StrictModel):
     model: str = "Qwen/Qwen3-0.6B"
     """Model name as served by inference (its path or id)."""
@@ -668,6 +711,9 @@ class OrchestratorConfig(StrictModel):
 
     seed: int = 0
     """Random seed (data order)."""
+
+    teacher: TeacherClientConfig | None = None
+    """The teacher that scores every sampled token for distillation (filled from `[teacher]`); None = none."""
 
     wandb: WandbConfig | None = None
     """W&B logging; off when absent."""
@@ -770,6 +816,9 @@ class DeploymentConfig(StrictModel):
     trainer_gpus: int = Field(1, ge=1)
     """GPUs for the trainer: `torchrun --nproc-per-node`, one FSDP2 rank each (1 = a plain process)."""
 
+    teacher_gpus: int = Field(1, ge=1)
+    """GPUs for a local `[teacher]`'s vLLM server (tensor parallel over them), after the trainer's; unused without one."""
+
 
 class SlurmConfig(StrictModel):
     """`prime-rl CONFIG.toml --slurm`: the sbatch job that runs this config (`[slurm]`)."""
@@ -824,6 +873,56 @@ class SlurmConfig(StrictModel):
     @property
     def multi_node(self) -> bool:
         return self.nodes > 1
+
+
+class TeacherConfig(StrictModel):
+    """The teacher of on-policy distillation (`[teacher]`, with `[trainer.loss.distill]`): it
+    scores every token the student samples (prompt logprobs over the student's exact token
+    ids, never re-tokenized), so it must use the student's tokenizer."""
+
+    model: str | None = None
+    """An HF model folder (or hub id), or a run's `weights/step_N` (full weights): served by a vLLM process of its own, which the launcher starts and stops with the run in its own pane."""
+
+    endpoint: str | None = None
+    """Instead of `model`: the name of an endpoint in `endpoints_path` whose server returns prompt logprobs over token ids (a vLLM server: its URL ending in `/v1`)."""
+
+    endpoints_path: Path = Path("configs/endpoints.toml")
+    """The endpoints file `endpoint` is looked up in."""
+
+    system_prompt: str | None = None
+    """Context distillation: the teacher scores the student's completions under the conversation with this system message (replacing the conversation's own, or put first), the student trains under its own prompt. None = the student's exact prompt."""
+
+    system_prompt_file: Path | None = None
+    """The same, read from a file (e.g. the `best_prompt.txt` of `prime-rl gepa`)."""
+
+    port: int = Field(8100, ge=1024, le=65535)
+    """Port of a local teacher's server (on `inference.host`)."""
+
+    seq_len: int | None = Field(None, ge=8)
+    """A local teacher's context (vLLM `--max-model-len`); None = the run's `seq_len` + 1, plus `prompt_room` with a system prompt."""
+
+    prompt_room: int = Field(1024, ge=0)
+    """With a system prompt and `seq_len` unset: tokens the teacher's prompt may add to the student's."""
+
+    max_num_seqs: int = Field(256, ge=1)
+    """A local teacher's most sequences batched at once."""
+
+    kv_cache_gb: int = Field(1, ge=1)
+    """A local teacher's KV cache on CPU (GiB)."""
+
+    timeout_s: float = Field(300.0, gt=0)
+    """Timeout of one scoring request."""
+
+    max_concurrency: int = Field(64, ge=1)
+    """Most scoring requests in flight at once."""
+
+    @model_validator(mode="after")
+    def _one_source(self) -> TeacherConfig:
+        if (self.model is None) == (self.endpoint is None):
+            raise ValueError("teacher: set exactly one of `model` (served locally) and `endpoint` (a running server)")
+        if self.system_prompt is not None and self.system_prompt_file is not None:
+            raise ValueError("teacher: set `system_prompt` or `system_prompt_file`, not both")
+        return self
 
 
 class WatchdogConfig(StrictModel):
@@ -932,6 +1031,9 @@ class RLConfig(StrictModel):
     watchdog: WatchdogConfig = WatchdogConfig()
     """Launcher's stall watchdog over the processes' heartbeats."""
 
+    teacher: TeacherConfig | None = None
+    """The teacher of on-policy distillation (`[teacher]`, with `[trainer.loss.distill]`); None = none."""
+
     @model_validator(mode="before")
     @classmethod
     def _propagate_shared(cls, data: Any) -> Any:
@@ -1010,6 +1112,7 @@ class RLConfig(StrictModel):
                     "for the model family (\"hermes\" for Qwen3, Qwen2.5 and the tiny test model)"
                 )
         self._lora()
+        self._teacher()
         # One checkpoint schedule for both processes: the orchestrator follows the trainer's.
         if "ckpt" not in self.orchestrator.model_fields_set:
             self.orchestrator.ckpt = self.trainer.ckpt.model_copy()
@@ -1041,6 +1144,18 @@ class RLConfig(StrictModel):
         served = inference.served_model_name or inference.model
         if orchestrator.lora_adapter in (served, orchestrator.model):
             raise ValueError(f"orchestrator.lora_adapter {orchestrator.lora_adapter!r} must differ from the served model's name")
+
+
+    def _teacher(self) -> None:
+        """A teacher and the distillation loss come together: one without the other would
+        score tokens for nothing, or train toward logprobs nobody sends."""
+        distill = self.trainer.loss.distill
+        if self.teacher is None and distill is not None:
+            raise ValueError("trainer.loss.distill is set but there is no `[teacher]` (model = a folder, or endpoint = a name)")
+        if self.teacher is not None and distill is None:
+            raise ValueError("`[teacher]` is set but `[trainer.loss.distill]` is not: the teacher's logprobs would not be trained on")
+        if self.teacher is not None and self.teacher.model is not None and self.slurm is not None and self.slurm.multi_node:
+            raise ValueError("teacher.model: a local teacher runs on one node; in a multi-node job serve it yourself and set teacher.endpoint")
 
 
 LORA_ADAPTER_NAME = "policy-lora"

@@ -22,8 +22,8 @@ import numpy as np
 
 SCHEMA_VERSION = 1
 
-BYTES_PER_TOKEN = 4 + 1 + 4
-"""int32 id + uint8 mask + float32 logprob."""
+BYTES_PER_TOKEN = 4 + 1 + 4 + 4
+"""int32 id + uint8 mask + float32 logprob + float32 teacher logprob (distillation)."""
 BYTES_PER_SAMPLE = 256
 """msgpack overhead of one sample beyond its buffers (field names, scalars; 114 bytes measured), with room."""
 
@@ -65,6 +65,10 @@ class Sample(msgspec.Struct, frozen=True):
     landed mid-completion (each token's logprob is the one it was sampled with); None in
     frames recorded before this field existed, meaning ``policy_version``."""
 
+    teacher_logprobs: bytes | None = None
+    """float32 [T]: logprob of each sampled token under the distillation teacher (0 where
+    loss_mask is 0); None = no teacher (RL only)."""
+
 
 class MicroBatch(msgspec.Struct, frozen=True):
     samples: list[Sample]
@@ -93,12 +97,16 @@ def make_sample(
     policy_version: int,
     example_id: int,
     last_policy_version: int | None = None,
+    teacher_logprobs: list[float] | np.ndarray | None = None,
 ) -> Sample:
     ids = np.asarray(input_ids, dtype="<i4")
     mask = np.asarray(loss_mask, dtype=np.uint8)
     logprobs = np.asarray(inference_logprobs, dtype="<f4")
     if not (len(ids) == len(mask) == len(logprobs)):
         raise WireError(f"sample buffers differ in length: ids {len(ids)}, mask {len(mask)}, logprobs {len(logprobs)}")
+    teacher = None if teacher_logprobs is None else np.asarray(teacher_logprobs, dtype="<f4")
+    if teacher is not None and len(teacher) != len(ids):
+        raise WireError(f"sample buffers differ in length: ids {len(ids)}, teacher logprobs {len(teacher)}")
     return Sample(
         input_ids=ids.tobytes(),
         loss_mask=mask.tobytes(),
@@ -108,7 +116,13 @@ def make_sample(
         policy_version=int(policy_version),
         example_id=int(example_id),
         last_policy_version=int(policy_version if last_policy_version is None else last_policy_version),
+        teacher_logprobs=None if teacher is None else teacher.tobytes(),
     )
+
+
+def teacher_array(sample: Sample) -> np.ndarray | None:
+    """float32 [T] teacher logprobs of a sample, or None when it has none."""
+    return None if sample.teacher_logprobs is None else np.frombuffer(sample.teacher_logprobs, dtype="<f4")
 
 
 def sample_arrays(sample: Sample) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -172,6 +186,9 @@ def decode_batch(
             where = f"micro_batches[{m}].samples[{s}]"
             _validate_sample(sample, where)
             samples.append((where, sample))
+    with_teacher = sum(sample.teacher_logprobs is not None for _, sample in samples)
+    if 0 < with_teacher < len(samples):
+        raise WireError(f"{with_teacher} of {len(samples)} samples carry teacher logprobs: all or none must")
     _validate_values(samples, vocab_size)
     return batch
 
@@ -187,6 +204,12 @@ def _validate_sample(sample: Sample, where: str) -> None:
         )
     if n < 2:
         raise WireError(f"{where}: a sample needs at least 2 tokens, got {n}")
+    if sample.teacher_logprobs is not None:
+        if len(sample.teacher_logprobs) != 4 * n:
+            raise WireError(f"{where}: {len(sample.teacher_logprobs) // 4} teacher logprobs for {n} tokens")
+        teacher = np.frombuffer(sample.teacher_logprobs, dtype="<f4")
+        if not np.isfinite(teacher).all() or teacher.max() > LOGPROB_SLACK:
+            raise WireError(f"{where}: teacher logprobs must be finite and not positive")
     if not (math.isfinite(sample.advantage) and math.isfinite(sample.reward)):
         raise WireError(f"{where}: advantage and reward must be finite")
     if sample.last_policy_version is not None and sample.last_policy_version < sample.policy_version:

@@ -22,7 +22,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from prime_rl.config import TransportConfig
-from prime_rl.wire import DEFAULT_MAX_FRAME_BYTES, MicroBatch, TrainBatch, WireError, decode_batch, sample_arrays
+from prime_rl.wire import DEFAULT_MAX_FRAME_BYTES, MicroBatch, TrainBatch, WireError, decode_batch, sample_arrays, teacher_array
 from trainer.packing import Layout, attention_allowed, lay_out, plan_blocks, plan_rows, row_budget, varlen_boundaries
 
 
@@ -171,6 +171,7 @@ class MicroTensors:
     num_model_tokens: int  # tokens the model computes (a shared prefix once), padding excluded
     cu_seqlens: torch.Tensor | None = None  # [S + 1] int32 block boundaries of the varlen row
     max_seqlen: int = 0  # longest block of the varlen row
+    teacher_logprobs: torch.Tensor | None = None  # [B, T] float32 like inference_logprobs; None = no teacher
 
     @property
     def num_real_tokens(self) -> int:
@@ -195,6 +196,7 @@ def collate(
     variable-length kernel (``varlen``: one unpadded row, no shared prefix, no mask)."""
     arrays = [sample_arrays(s) for s in micro.samples]
     ids, masks, logprobs = ([a[i][:seq_len] for a in arrays] for i in range(3))
+    teacher = teacher_rows(micro, seq_len)
     varlen = varlen and pack
     blocks = plan_blocks(ids, masks, share_prefix and not varlen)
     sizes = [b.length([len(x) for x in ids]) for b in blocks]
@@ -218,7 +220,22 @@ def collate(
         num_model_tokens=int((layout.segments >= 0).sum()),
         cu_seqlens=None if boundaries is None else tensor(boundaries),
         max_seqlen=0 if boundaries is None else int(np.diff(boundaries).max()),
+        teacher_logprobs=None if teacher is None else tensor(right_pad(teacher, 0.0, np.float32)),
     )
+
+
+def teacher_rows(micro: MicroBatch, seq_len: int) -> list[np.ndarray] | None:
+    """Each sample's teacher logprobs cut to seq_len, or None when no sample has any.
+
+    A micro-batch is one loss: its samples are all distilled or none is, so a mix means the
+    orchestrator lost some teacher scores and is refused rather than trained half-way."""
+    rows = [teacher_array(s) for s in micro.samples]
+    have = sum(r is not None for r in rows)
+    if have == 0:
+        return None
+    if have < len(rows):
+        raise ValueError(f"a micro-batch mixes samples with and without teacher logprobs ({have} of {len(rows)} have them)")
+    return [r[:seq_len] for r in rows]
 
 
 def model_mask(layout: Layout) -> np.ndarray:

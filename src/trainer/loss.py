@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from prime_rl.config import LossConfig
+from prime_rl.config import DistillConfig, LossConfig
 
 
 def selective_log_softmax(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -144,3 +144,37 @@ def policy_loss(
             "mismatch_kl_sum": (k3 * mask_f).sum(),
         }
     return loss, stats
+
+
+def distill_advantages(
+    advantages: torch.Tensor,
+    inference_logprobs: torch.Tensor,
+    teacher_logprobs: torch.Tensor,
+    loss_mask: torch.Tensor,
+    cfg: DistillConfig,
+) -> torch.Tensor:
+    """Per-token advantages of on-policy distillation, to hand to ``policy_loss``.
+
+    advantages [B] (each sample's group advantage A), inference_logprobs [B, T] (log p_student
+    of the sampled token, as vLLM sampled it), teacher_logprobs [B, T], loss_mask [B, T] bool
+    -> [B, T] float32, 0 off the mask:
+
+        reward_weight * A - kl_weight * (log p_student - log p_teacher)
+
+    The token was drawn from the student, so log p_student - log p_teacher is a one-sample
+    estimate of the per-token reverse KL(student || teacher); as a negative advantage it
+    pushes up the tokens the teacher likes more than the student does. It uses the sampling
+    logprobs, not the trainer's, so it carries no gradient and is a fixed reward per token
+    (the importance ratio in ``policy_loss`` corrects for the trainer/inference gap as in RL).
+    """
+    loss_mask = loss_mask.bool()
+    per_token = cfg.reward_weight * advantages[:, None] - cfg.kl_weight * (inference_logprobs - teacher_logprobs)
+    return torch.where(loss_mask, per_token, torch.zeros_like(per_token)).float().detach()
+
+
+def reverse_kl_sum(inference_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """0-d float32 sum over loss tokens of log p_student - log p_teacher (all [B, T]): the
+    sampled estimate of the reverse KL to the teacher, summed so micro-batches and ranks add
+    up exactly; divided by the loss tokens it is ``loss/reverse_kl``."""
+    diff = (inference_logprobs - teacher_logprobs).float()
+    return torch.where(loss_mask.bool(), diff, torch.zeros_like(diff)).sum().detach()

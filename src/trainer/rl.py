@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from prime_rl.config import LossConfig, TrainerConfig
+from prime_rl.config import DistillConfig, LossConfig, TrainerConfig
 from prime_rl.heartbeat import Heartbeat
 from prime_rl.metrics import Metrics, make_metrics
 from prime_rl.rundir import checkpoint_step_dir
@@ -28,7 +28,7 @@ from prime_rl.settings import run_process
 from prime_rl.wire import TrainBatch
 from trainer.ckpt import checkpoint_due, load_checkpoint, save_checkpoint
 from trainer.data import BatchReceiver, MicroTensors, collate
-from trainer.loss import entropy_from_logits, policy_loss, scored_logprobs
+from trainer.loss import distill_advantages, entropy_from_logits, policy_loss, reverse_kl_sum, scored_logprobs
 from trainer.model import (
     World, forward_logits, load_model, packing_support, setup_world, shared_prefix_support, teardown_world, uses_varlen,
 )
@@ -36,13 +36,13 @@ from trainer.optim import build_optimizer, clip_and_step
 from trainer.weights import save_weights
 
 CONSOLE_KEYS = (
-    "loss/policy", "loss/mismatch_kl", "loss/masked_frac", "optim/grad_norm",
+    "loss/policy", "loss/reverse_kl", "loss/mismatch_kl", "loss/masked_frac", "optim/grad_norm",
     "staleness/max", "perf/tokens_per_s", "time/step",
 )
 # Per-step sums reduced over micro-batches and ranks, in this order (one all-reduce).
 SUM_KEYS = (
     "loss_sum", "loss_tokens", "masked_tokens", "ratio_sum", "mismatch_kl_sum",
-    "entropy_sum", "samples", "tokens", "model_tokens", "truncated",
+    "entropy_sum", "samples", "tokens", "model_tokens", "truncated", "distill_kl_sum",
 )
 
 
@@ -111,7 +111,10 @@ def train(cfg: TrainerConfig) -> None:
                 "save_weights": t_save - t_train,
                 "save_ckpt": t_ckpt - t_save,
             }
-            row = {**step_metrics(stats, timings, step), "optim/nonfinite_streak": nonfinite, "weights/writers": writers}
+            row = {
+                **step_metrics(stats, timings, step, distill=cfg.loss.distill is not None),
+                "optim/nonfinite_streak": nonfinite, "weights/writers": writers,
+            }
             metrics.log(step, {**row, **resume_row})
             resume_row = {}
             heartbeat.progress(f"trained step {step}")
@@ -155,8 +158,9 @@ def train_step(
     pad_id = getattr(model.config, "pad_token_id", None) or 0
     varlen = uses_varlen(model)
     micros = [collate(m, cfg.seq_len, pad_id, world.device, cfg.share_prefix, cfg.pack, varlen) for m in batch.micro_batches]
+    check_teacher(micros, cfg.loss.distill, batch.step)
     # Step-wide normalisers, identical on every rank. Position 0 is never scored (no prefix).
-    local_tokens = sum(loss_token_count(m, cfg.loss.denominator) for m in micros)
+    local_tokens = sum(loss_token_count(m, cfg.loss.denominator, cfg.loss.distill) for m in micros)
     num_tokens = max(1, int(all_reduce(scalar(local_tokens, world), dist.ReduceOp.SUM)))
     num_micro = int(all_reduce(scalar(len(micros), world), dist.ReduceOp.MAX))
 
@@ -174,14 +178,44 @@ def train_step(
     return {**dict(zip(SUM_KEYS, sums.tolist())), "grad_norm": grad_norm, "lr": lr, "min_version": float(min_version)}
 
 
-def loss_token_count(mt: MicroTensors, denominator: str) -> int:
+def check_teacher(micros: list[MicroTensors], distill: DistillConfig | None, step: int) -> None:
+    """Distillation needs every micro-batch scored by the teacher; say so before any forward."""
+    if distill is not None and any(m.teacher_logprobs is None for m in micros):
+        raise no_teacher(f"the batch of step {step}")
+
+
+def no_teacher(what: str) -> ValueError:
+    return ValueError(f"trainer.loss.distill is set but {what} carries no teacher logprobs (is [teacher] configured for the orchestrator?)")
+
+
+def loss_token_count(mt: MicroTensors, denominator: str, distill: DistillConfig | None = None) -> int:
     """Loss tokens of a micro-batch that the step's mean divides by (position 0 is never
     scored): all of them, or (``informative``) those of samples with a nonzero advantage,
-    which are the only ones with a gradient."""
+    which are the only ones with a gradient. Distilling with ``kl_weight`` > 0 gives every
+    token an advantage of its own (its KL to the teacher), so every sample is informative."""
     per_sample = mt.loss_mask[:, 1:].sum(-1)  # [B]
-    if denominator == "informative":
+    every_sample_learns = distill is not None and distill.kl_weight > 0
+    if denominator == "informative" and not every_sample_learns:
         per_sample = per_sample * (mt.advantages != 0)
     return int(per_sample.sum())
+
+
+def token_advantages(
+    mt: MicroTensors, inference_lp: torch.Tensor, loss_mask: torch.Tensor, distill: DistillConfig | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(advantages for ``policy_loss``, the reverse-KL sum for ``distill_kl_sum``).
+
+    RL: the samples' own advantages [B] untouched, and a KL of 0. Distillation: per-token
+    advantages [B, T-1] from ``distill_advantages``. inference_lp and loss_mask [B, T-1] are
+    already shifted (position t scores token t+1); the teacher's logprobs are shifted alike.
+    """
+    if distill is None:
+        return mt.advantages, torch.zeros((), dtype=torch.float32)
+    if mt.teacher_logprobs is None:
+        raise no_teacher("a micro-batch")
+    teacher_lp = mt.teacher_logprobs[:, 1:]
+    advantages = distill_advantages(mt.advantages, inference_lp, teacher_lp, loss_mask, distill)
+    return advantages, reverse_kl_sum(inference_lp, teacher_lp, loss_mask)
 
 
 def micro_step(
@@ -192,7 +226,8 @@ def micro_step(
     # Position t of these scores token t+1 of each sample, on the inference side too.
     inference_lp, loss_mask = mt.inference_logprobs[:, 1:], mt.loss_mask[:, 1:]
     trainer_lp, scoring = scored_logprobs(logits, mt.source, mt.input_ids, loss_mask, temperature)  # [B, T-1]
-    loss, stats = policy_loss(trainer_lp, inference_lp, mt.advantages, loss_mask, loss_cfg, num_tokens)
+    advantages, kl_sum = token_advantages(mt, inference_lp, loss_mask, loss_cfg.distill)
+    loss, stats = policy_loss(trainer_lp, inference_lp, advantages, loss_mask, loss_cfg, num_tokens)
     entropy = entropy_from_logits(scoring)  # [N loss tokens], no grad; already divided by temperature
     # FSDP averages gradients over ranks; the loss is already a global token mean, so undo it.
     (loss * world_size).backward()
@@ -204,6 +239,7 @@ def micro_step(
         "tokens": torch.tensor(float(mt.num_real_tokens)),
         "model_tokens": torch.tensor(float(mt.num_model_tokens)),
         "truncated": torch.tensor(float(mt.num_truncated)),
+        "distill_kl_sum": kl_sum,
     }
     return torch.stack([values[k].double().to(mt.input_ids.device) for k in SUM_KEYS])
 
@@ -227,8 +263,9 @@ def all_reduce(t: torch.Tensor, op) -> torch.Tensor:
     return t
 
 
-def step_metrics(s: dict[str, float], timings: dict[str, float], step: int) -> dict[str, float]:
-    """Prefixed metric row from the reduced step sums."""
+def step_metrics(s: dict[str, float], timings: dict[str, float], step: int, distill: bool = False) -> dict[str, float]:
+    """Prefixed metric row from the reduced step sums; ``loss/reverse_kl`` only when
+    distilling (``distill``), so RL rows keep their keys."""
     n = max(s["loss_tokens"], 1.0)
     row = {
         "loss/policy": s["loss_sum"],
@@ -246,6 +283,8 @@ def step_metrics(s: dict[str, float], timings: dict[str, float], step: int) -> d
         "perf/peak_memory_mb": peak_memory_mb(),
         **{f"time/{k}": v for k, v in timings.items()},
     }
+    if distill:
+        row["loss/reverse_kl"] = s["distill_kl_sum"] / n  # per loss token, nats
     if s["samples"] > 0:
         row["staleness/max"] = step - int(s["min_version"])
     return row
