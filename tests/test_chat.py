@@ -123,6 +123,18 @@ def test_multi_turn_prompts_extend_the_sampled_tokens_exactly(tok):
     assert full == render_ids(tok, rollout.prompt + rollout.completion)[: len(full)]
 
 
+def test_context_distillation_renders_the_first_prompt_again_for_the_teacher(tok):
+    """The teacher's first prompt is the conversation with its system prompt in place of the
+    environment's; later turns extend the sequence with the same tokens for both."""
+    env, stub = Echo(), StubInference([*b"yo", IM_END], [*b"ok", IM_END])
+    sampler = TokenSampler(stub, tok, SamplingConfig(max_tokens=64), 512, teacher_system_prompt="T")
+    first, second = asyncio.run(env.rollout(sampler, env.dataset[0])).turns
+    assert first.prompt_ids == chatml(("system", "s"), ("user", "hi"), generation=True)
+    assert first.teacher_prompt_ids == chatml(("system", "T"), ("user", "hi"), generation=True)
+    assert second.teacher_prompt_ids is None
+    assert stub.prompts[0][0] == first.prompt_ids  # the student samples under its own prompt
+
+
 def test_a_turn_cut_by_max_tokens_gets_the_templates_end_of_turn(tok):
     rollout, _ = play(tok, [*b"yo"], [*b"ok", IM_END])  # no <|im_end|>: finish_reason "length"
     assert rollout.turns[1].prompt_ids[:3] == [IM_END, NL, IM_START]

@@ -19,7 +19,7 @@ from orchestrator.batch import ScoredRollout, pack_batches
 from orchestrator.client import FULL_DISTRIBUTION, InferenceClient, cache_salt
 from trainer.loss import policy_loss
 
-from helpers import REPO, free_port, new_tag, tagged_processes
+from helpers import free_port, new_tag, tagged_processes
 from test_inference_auth import stop_process_group
 
 PROMPT = [257, *b"user\nsay something long", 258, 257, *b"assistant\n"]
@@ -31,12 +31,9 @@ SEQ_LEN = 2048
 
 
 @pytest.fixture(scope="module")
-def other_weights(tmp_path_factory):
-    """The tiny model's architecture with other weights (seed 1): the "new policy"."""
-    out = tmp_path_factory.mktemp("models") / "tiny-seed1"
-    subprocess.run([sys.executable, str(REPO / "scripts" / "build_tiny_model.py"), str(out), "--seed", "1"],
-                   check=True, capture_output=True)
-    return out
+def other_weights(other_tiny_model):
+    """The "new policy"."""
+    return other_tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -194,3 +191,52 @@ def test_the_prefix_cache_never_serves_kv_across_policy_versions(server, tiny_mo
     same_version, new_version = asyncio.run(go())
     assert same_version > 0, same_version  # the cache works: version 0 reused its blocks
     assert new_version == 0, new_version
+
+
+# --------------------------------------------------------------------------- the distillation teacher
+
+
+class ShiftedTokenizer:
+    """The tiny model's tokenizer with every id moved by one: another tokenizer."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def apply_chat_template(self, *args, **kwargs):
+        return self.tokenizer.apply_chat_template(*args, **kwargs)
+
+    def encode(self, text, **kwargs):
+        return [t + 1 for t in self.tokenizer.encode(text, **kwargs)]
+
+
+def test_the_teacher_scores_the_students_exact_ids_and_refuses_what_cannot_serve(server, tiny_model):
+    """vLLM's prompt logprobs are the model's own logprobs of the exact ids sent (the HF
+    model's, float32); the check passes for the student's tokenizer and refuses another
+    tokenizer and a context shorter than a sample, each in one line."""
+    from transformers import AutoTokenizer
+
+    from orchestrator.teacher import Teacher, TeacherError
+    from prime_rl.config import TeacherClientConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    completion = list(b"olleh dlrow")
+
+    async def go():
+        teacher = Teacher(TeacherClientConfig(model=str(tiny_model), client=ClientConfig(base_url=server, timeout_s=60)))
+        try:
+            await teacher.check(tokenizer, SEQ_LEN - 1)
+            scored = await teacher.client.prompt_logprobs(PROMPT + completion)
+            errors = []
+            for tok, seq_len in ((ShiftedTokenizer(tokenizer), 64), (tokenizer, SEQ_LEN)):
+                with pytest.raises(TeacherError) as e:
+                    await teacher.check(tok, seq_len)
+                errors.append(str(e.value))
+            return scored, errors
+        finally:
+            await teacher.close()
+
+    scored, (other_tokenizer, short) = asyncio.run(go())
+    assert scored[0] == 0 and len(scored) == len(PROMPT) + len(completion)
+    np.testing.assert_allclose(scored[len(PROMPT):], hf_logprobs(tiny_model, PROMPT, completion), atol=2e-3)
+    assert "its tokenizer differs from the student's" in other_tokenizer and "\n" not in other_tokenizer
+    assert f"its context is {SEQ_LEN} tokens, shorter than a sample (seq_len {SEQ_LEN} + 1)" in short

@@ -3,7 +3,9 @@
 A sample's tokens are its turns' ``prompt_ids + completion_ids`` concatenated in order.
 ``loss_mask`` is 1 exactly on tokens the policy sampled and ``inference_logprobs``
 carries the sampler's logprob there (0 elsewhere). Samples longer than ``seq_len`` are
-cut at ``seq_len``, all three buffers alike.
+cut at ``seq_len``, all three buffers alike. With a distillation teacher each sample also
+carries the teacher's logprob of every sampled token (``ScoredRollout.teacher_logprobs``,
+``orchestrator.teacher``).
 
 A rollout whose environment re-rendered the conversation itself (``Turn.restart``: a v1
 taskset's client) is one sample per run of turns that extend each other. With ``per_turn``
@@ -45,6 +47,11 @@ class ScoredRollout:
     """Newest weights step among its tokens (a reload landed while it was sampled); None =
     ``policy_version``."""
 
+    teacher_logprobs: tuple[np.ndarray, ...] | None = None
+    """Distillation: the teacher's logprob of every token, one float32 array per sample of the
+    rollout (``sample_turns``), aligned with its tokens cut at ``seq_len`` (0 off the
+    sampled tokens); None = no teacher."""
+
 
 def rollout_tokens(rollout: Rollout, turns: list[Turn] | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(input_ids int32 [T], loss_mask uint8 [T], inference_logprobs float32 [T]) of the
@@ -68,16 +75,27 @@ def to_samples(scored: ScoredRollout, seq_len: int, per_turn: bool = False) -> l
     """One sample for the rollout (one per run of turns that extend each other, when the
     environment's client re-rendered the conversation: ``Turn.restart``), or one per turn
     with ``per_turn``."""
-    turns = scored.rollout.turns
+    splits = sample_turns(scored.rollout, per_turn)
+    teacher = scored.teacher_logprobs or (None,) * len(splits)
+    if len(teacher) != len(splits):
+        raise ValueError(f"example {scored.rollout.example_id}: {len(teacher)} teacher arrays for {len(splits)} samples")
+    return [to_sample(scored, seq_len, turns, t) for turns, t in zip(splits, teacher)]
+
+
+def sample_turns(rollout: Rollout, per_turn: bool = False) -> list[list[Turn]]:
+    """The turns of each sample the rollout trains as (see ``to_samples``)."""
+    turns = rollout.turns
     if not turns:
-        raise ValueError(f"example {scored.rollout.example_id}: a rollout without tokens cannot be trained on")
+        raise ValueError(f"example {rollout.example_id}: a rollout without tokens cannot be trained on")
     if per_turn:
-        return [to_sample(scored, seq_len, [turn]) for turn in turns]
+        return [[turn] for turn in turns]
     starts = [0] + [i for i, turn in enumerate(turns) if turn.restart and i > 0]
-    return [to_sample(scored, seq_len, turns[a:b]) for a, b in zip(starts, [*starts[1:], len(turns)])]
+    return [turns[a:b] for a, b in zip(starts, [*starts[1:], len(turns)])]
 
 
-def to_sample(scored: ScoredRollout, seq_len: int, turns: list[Turn] | None = None) -> Sample:
+def to_sample(
+    scored: ScoredRollout, seq_len: int, turns: list[Turn] | None = None, teacher_logprobs: np.ndarray | None = None
+) -> Sample:
     ids, mask, logprobs = rollout_tokens(scored.rollout, turns)
     if min(len(ids), seq_len) < 2:  # the trainer predicts token t+1 from t: one token teaches nothing
         raise ValueError(f"example {scored.rollout.example_id}: a sample needs at least 2 tokens, got {len(ids)}")
@@ -90,6 +108,7 @@ def to_sample(scored: ScoredRollout, seq_len: int, turns: list[Turn] | None = No
         policy_version=scored.policy_version,
         example_id=scored.rollout.example_id,
         last_policy_version=scored.last_policy_version,
+        teacher_logprobs=teacher_logprobs,
     )
 
 

@@ -41,6 +41,7 @@ from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 import httpx
+import numpy as np
 from prime_rl.config import ClientConfig
 from prime_rl.envs import ToolCall
 from prime_rl.keys import IDENTITY_PATH, new_nonce, proves_identity
@@ -210,6 +211,30 @@ class InferenceClient:
         if len(results) != n:
             raise InferenceError(f"{replica.url}: asked for {n} choices, the server returned {len(results)}")
         return results
+
+    async def prompt_logprobs(self, token_ids: list[int]) -> np.ndarray:
+        """The model's logprob of every token of ``token_ids`` given the ones before it
+        (vLLM's prompt logprobs, raw: temperature 1), float32 [len(token_ids)], 0 at position 0
+        (nothing to condition on). One prefill of the exact ids: nothing is re-tokenized.
+        Raises InferenceError when the server returns none (not a vLLM completions API)."""
+        body = {"model": self.model_name, "prompt": list(token_ids), "max_tokens": 1, "prompt_logprobs": 0}
+        async with self._generation() as replica:
+            response = await self._post(replica, "/v1/completions", json=body)
+        return parse_prompt_logprobs(response.json(), token_ids, replica.url)
+
+    async def tokenize(self, text: str) -> tuple[list[int], int | None]:
+        """(token ids of ``text`` without special tokens added, the server's max_model_len) by
+        the server's own tokenizer (vLLM's ``/tokenize``)."""
+        async with self._slots:
+            replica = self._pick_replica()
+            response = await self._post(
+                replica, "/tokenize", json={"model": self.model_name, "prompt": text, "add_special_tokens": False}
+            )
+        payload = response.json()
+        if not isinstance(payload, dict) or not isinstance(payload.get("tokens"), list):
+            raise InferenceError(f"POST {replica.url}/tokenize answered no token ids: {str(payload)[:200]}")
+        limit = payload.get("max_model_len")
+        return [int(t) for t in payload["tokens"]], int(limit) if isinstance(limit, int) else None
 
     async def parse_tool_calls(
         self, prompt_ids: list[int], completions: list[list[int]], tools: list[dict[str, Any]]
@@ -589,6 +614,29 @@ def cache_salt(version: int) -> str:
     """The prefix-cache salt of requests of policy ``version``: a request only ever reuses
     KV that requests of its own version computed, i.e. with the same weights."""
     return f"prime-rl-policy-{version}"
+
+
+def parse_prompt_logprobs(payload: Any, token_ids: list[int], url: str) -> np.ndarray:
+    """float32 [len(token_ids)] from a completion answered with ``prompt_logprobs``: at each
+    position i > 0 the logprob of token_ids[i] (vLLM lists it among the top ones: key = the id)."""
+    choices = payload.get("choices") if isinstance(payload, dict) else None
+    entries = choices[0].get("prompt_logprobs") if choices and isinstance(choices[0], dict) else None
+    if not isinstance(entries, list):
+        raise InferenceError(
+            f"{url}: the completion carries no prompt_logprobs: a teacher must be a vLLM server (its completions API "
+            "returns the logprob of every prompt token)"
+        )
+    if len(entries) != len(token_ids):
+        raise InferenceError(f"{url}: {len(entries)} prompt logprobs for a prompt of {len(token_ids)} tokens")
+    out = np.zeros(len(token_ids), dtype=np.float32)
+    for i in range(1, len(token_ids)):
+        entry = entries[i] if isinstance(entries[i], dict) else {}
+        scored = entry.get(str(token_ids[i]))
+        logprob = scored.get("logprob") if isinstance(scored, dict) else None
+        if not isinstance(logprob, int | float) or not math.isfinite(logprob):
+            raise InferenceError(f"{url}: no finite prompt logprob for token {token_ids[i]} at position {i}")
+        out[i] = logprob
+    return out
 
 
 def parse_completion_choices(

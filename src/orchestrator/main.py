@@ -67,8 +67,9 @@ from orchestrator.progress import ResumeError, StepRecord, plan_resume, prune_re
 from orchestrator.rollouts import run_groups, summarize
 from orchestrator.sampler import TokenSampler, check_multi_turn_template
 from orchestrator.sender import BatchSender
+from orchestrator.teacher import Teacher, TeacherError
 
-CONSOLE_KEYS = ("reward/mean", "policy/version", "staleness/max", "seq/completion_len_mean", "time/step")
+CONSOLE_KEYS = ("reward/mean", "distill/reverse_kl", "policy/version", "staleness/max", "seq/completion_len_mean", "time/step")
 WEIGHTS_POLL_S = 0.1
 PROGRESS_POLL_S = 10.0
 
@@ -414,8 +415,10 @@ async def run(cfg: OrchestratorConfig, envs: list[tuple[str, Environment]], toke
     metrics = make_metrics("orchestrator", cfg.output_dir, CONSOLE_KEYS, cfg.wandb, cfg.model_dump(mode="json"))
     client = InferenceClient(cfg.client, cfg.model, lora_adapter=cfg.lora_adapter)
     sampler = TokenSampler(
-        client, tokenizer, cfg.sampling, cfg.seq_len, per_turn=cfg.multi_turn == "per_turn", tool_call_parser=cfg.tool_call_parser
+        client, tokenizer, cfg.sampling, cfg.seq_len, per_turn=cfg.multi_turn == "per_turn",
+        tool_call_parser=cfg.tool_call_parser, teacher_system_prompt=cfg.teacher and cfg.teacher.system_prompt,
     )
+    teacher = Teacher(cfg.teacher) if cfg.teacher is not None else None
     hb = Heartbeat(cfg.output_dir, "orchestrator")
     sender, pool, follower, delivered = None, None, None, False
     answers = asyncio.create_task(report_answers(client, hb))
@@ -427,6 +430,9 @@ async def run(cfg: OrchestratorConfig, envs: list[tuple[str, Environment]], toke
         client.version = version  # inference starts with these weights (the launcher's choice)
         with hb.waiting(f"the inference server at {', '.join(cfg.client.urls)} to become healthy"):
             await client.wait_healthy(cfg.client.startup_timeout_s)
+        if teacher is not None:
+            with hb.waiting(f"the teacher at {teacher.url}"):
+                await teacher.check(tokenizer, cfg.seq_len)
         startup_row = {"startup/server_ready_unix": time.time()}  # in the first step's row (benchmarks.run reads it)
         if cfg.initial_weights is not None:  # a running server (another run's): our own weights first
             await client.resume()  # a run killed mid-reload leaves it paused
@@ -453,12 +459,17 @@ async def run(cfg: OrchestratorConfig, envs: list[tuple[str, Environment]], toke
                 metrics.log(step, batch.eval_row, process="eval")
             # (e) advantages within each example's group
             items = scored_items(batch, cfg, step)
+            teacher_row = {}
+            if teacher is not None:  # (e') the teacher's logprob of every sampled token
+                with hb.waiting(f"the teacher's logprobs for step {step}"):
+                    items, teacher_row = await teacher.score(items, cfg.seq_len, cfg.multi_turn == "per_turn")
             # (f) one batch per trainer rank, recorded (for a resume) before it is sent
             frames = [encode_batch(b) for b in pack_step(items, step, cfg)]
             step_s = time.perf_counter() - step_start
             row = step_metrics(step, items, batch.sync, cfg, batch.generate_s, step_s, client.retries,
                                client.requests_per_replica(), batch.rate_s)
             row.update(batch.row)
+            row.update(teacher_row)
             row.update(startup_row)
             startup_row = {}
             if record_progress:
@@ -486,6 +497,8 @@ async def run(cfg: OrchestratorConfig, envs: list[tuple[str, Environment]], toke
         if sender is not None:
             sender.close(flush=delivered)
         await client.close()
+        if teacher is not None:
+            await teacher.close()
         metrics.close()
 
 
@@ -649,9 +662,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         asyncio.run(run(cfg, envs, tokenizer))
-    except (OSError, InferenceError, ResumeError, PreflightFailed, TemplateError, EnvironmentWorkerError, ExceptionGroup) as e:  # TimeoutError is an OSError
+    except (OSError, InferenceError, ResumeError, PreflightFailed, TemplateError, EnvironmentWorkerError, TeacherError,
+            ExceptionGroup) as e:  # TimeoutError is an OSError
         errors = leaf_errors(e)
-        expected = OSError | InferenceError | ResumeError | PreflightFailed | TemplateError | EnvironmentWorkerError
+        expected = OSError | InferenceError | ResumeError | PreflightFailed | TemplateError | EnvironmentWorkerError | TeacherError
         if not all(isinstance(err, expected) for err in errors):
             raise
         # Expected failures (a peer missing or misbehaving): the message, once, without a traceback.

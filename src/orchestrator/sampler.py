@@ -39,6 +39,7 @@ class TokenSampler:
         seq_len: int,
         per_turn: bool = False,
         tool_call_parser: str | None = None,
+        teacher_system_prompt: str | None = None,
     ):
         self.client = client
         self.tokenizer = tokenizer
@@ -46,6 +47,9 @@ class TokenSampler:
         self.seq_len = seq_len
         self.per_turn = per_turn
         self.tool_call_parser = tool_call_parser
+        self.teacher_system_prompt = teacher_system_prompt
+        """Context distillation: each sequence's first prompt is also rendered with this system
+        message, for the teacher (``Turn.teacher_prompt_ids``)."""
         self._end_of_turn = end_of_turn_ids(tokenizer)
 
     async def reply(
@@ -53,12 +57,16 @@ class TokenSampler:
     ) -> list[ModelReply]:
         """``n`` replies to ``messages``, whose earlier turns were sampled as ``context``; with
         ``tools``, the template shows them and the server's parser reads the calls."""
+        teacher = None
         if context and not self.per_turn:
             prefix = sequence_so_far(context)
             new = self.bridge(messages, context[-1], tools)
             prompt = prefix + new
         else:
             prompt = new = render_ids(self.tokenizer, messages, add_generation_prompt=True, tools=tools)
+            if self.teacher_system_prompt is not None:
+                teacher_messages = with_system_prompt(messages, self.teacher_system_prompt)
+                teacher = render_ids(self.tokenizer, teacher_messages, add_generation_prompt=True, tools=tools)
         room = self.seq_len - len(prompt)
         if room < 1:
             raise PromptTooLong(f"the prompt has {len(prompt)} tokens; seq_len is {self.seq_len}")
@@ -67,7 +75,8 @@ class TokenSampler:
         )
         parsed = await self.parse_tool_calls(prompt, results, tools) if tools else [(r.text, ()) for r in results]
         return [
-            ModelReply(text, r.finish_reason, Turn(list(new), r.completion_ids, r.completion_logprobs, versions=r.versions), calls)
+            ModelReply(text, r.finish_reason, Turn(list(new), r.completion_ids, r.completion_logprobs, versions=r.versions,
+                                                  teacher_prompt_ids=teacher), calls)
             for r, (text, calls) in zip(results, parsed)
         ]
 
@@ -78,6 +87,11 @@ class TokenSampler:
         When it does not (the client re-rendered model text that does not re-tokenize to
         what was sampled), the turn restarts the sequence with the whole prompt
         (``Turn.restart``): the trainer then sees each part exactly as vLLM did."""
+        if self.teacher_system_prompt is not None:
+            raise TemplateError(
+                "context distillation (teacher.system_prompt) needs the conversation as messages, and this "
+                "environment renders its own token ids (a verifiers v1 taskset's client): drop the teacher's system prompt"
+            )
         new, restart = list(prompt), False
         if context and not self.per_turn:
             prefix = sequence_so_far(context)
@@ -124,6 +138,13 @@ class TokenSampler:
         end_of_turn = upto[close:end]
         emitted_end = bool(end_of_turn) and last.completion_ids[-len(end_of_turn):] == end_of_turn
         return upto[end if emitted_end else close :] + full[len(upto) :]
+
+
+def with_system_prompt(messages: Messages, system_prompt: str) -> Messages:
+    """``messages`` with ``system_prompt`` as the system message: in place of the
+    conversation's own, or put first when it has none."""
+    rest = messages[1:] if messages and messages[0].get("role") == "system" else list(messages)
+    return [{"role": "system", "content": system_prompt}, *rest]
 
 
 def sequence_so_far(context: Sequence[Turn]) -> list[int]:

@@ -82,6 +82,7 @@ from prime_rl.settings import (
     read_config_file,
     split_argv,
 )
+from prime_rl.teacher import resolve_teacher
 
 LAUNCHER_FLAGS = {
     "--no-tmux": "run headless: one log file per process under RUN/logs/ (default when tmux is missing)",
@@ -134,6 +135,9 @@ def rl(argv: list[str]) -> int:
     config = load_config(RLConfig, files, flags)
     checked_model_path(config.trainer.model.name, "trainer.model.name")
     checked_model_path(config.inference.model, "inference.model")
+    if config.teacher is not None and config.teacher.model is not None:
+        checked_model_path(config.teacher.model, "teacher.model")
+    config = resolve_teacher(config)
     run_dir = checked_output_dir(config.trainer.output_dir, RL_OUTPUT_DIR, may_clean=True)
 
     # Every check first: nothing in the run directory is deleted until all of them passed.

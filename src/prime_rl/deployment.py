@@ -30,6 +30,7 @@ from prime_rl.config import InferenceConfig, RLConfig, TransportConfig
 from prime_rl.keys import holds_secret
 from prime_rl.launcher import ProcessSpec
 from prime_rl.rundir import config_path, write_json_atomic
+from prime_rl.teacher import teacher_inference
 from prime_rl.wire import DEFAULT_MAX_FRAME_BYTES, max_frame_bytes
 
 # One thread per process: the processes share the cores (docs/machine_facts.md), and
@@ -89,6 +90,9 @@ class Placement:
     bind_host: str | None
     """What sockets bind beyond their own defaults (multi-node); None = stay on the config's hosts."""
 
+    teacher: Replica | None = None
+    """A local distillation teacher's vLLM server (`[teacher] model`), on the first node."""
+
     @property
     def replicas(self) -> list[Replica]:
         return [r for node in self.nodes for r in node.replicas]
@@ -118,11 +122,14 @@ def count_gpus() -> int:
 def plan_single_node(config: RLConfig, gpus_available: int) -> Placement:
     """The trio on this machine, GPUs split by `[deployment]` (CPU processes without GPUs)."""
     deployment, inference = config.deployment, config.inference
-    needed = deployment.inference_gpus + deployment.trainer_gpus
+    local_teacher = config.teacher is not None and config.teacher.model is not None
+    teacher_gpus = deployment.teacher_gpus if local_teacher else 0
+    needed = deployment.inference_gpus + deployment.trainer_gpus + teacher_gpus
     if 0 < gpus_available < needed:
+        teacher = f" + teacher_gpus {teacher_gpus}" if teacher_gpus else ""
         raise PlacementError(
             f"deployment: needs {needed} GPUs (inference_gpus {deployment.inference_gpus} + trainer_gpus "
-            f"{deployment.trainer_gpus}), this machine shows {gpus_available}"
+            f"{deployment.trainer_gpus}{teacher}), this machine shows {gpus_available}"
         )
     cuda = gpus_available > 0
     tp = inference.tensor_parallel_size
@@ -139,7 +146,13 @@ def plan_single_node(config: RLConfig, gpus_available: int) -> Placement:
         gpus=tuple(range(first, first + deployment.trainer_gpus)) if cuda else (),
     )
     node = NodePlan(0, "localhost", replicas, trainer, 0, orchestrator=True)
-    return Placement("cuda" if cuda else "cpu", (node,), config.orchestrator.transport.host, bind_host=None)
+    teacher = None
+    if local_teacher:
+        first += deployment.trainer_gpus
+        port = config.teacher.port
+        teacher = Replica(index=0, node=0, host=inference.host, url=f"http://{inference.host}:{port}", port=port,
+                          gpus=tuple(range(first, first + teacher_gpus)) if cuda else ())
+    return Placement("cuda" if cuda else "cpu", (node,), config.orchestrator.transport.host, bind_host=None, teacher=teacher)
 
 
 def plan_multi_node(config: RLConfig, addresses: list[str]) -> Placement:
@@ -193,6 +206,8 @@ def describe(placement: Placement) -> list[str]:
             if t.nnodes > 1:
                 how += f", trainer node {node.trainer_node_rank + 1} of {t.nnodes}, rendezvous {t.rdzv_endpoint}"
             lines.append(f"{where}trainer: {how} on {devices(t.gpus)} ({t.world_size} FSDP2 rank(s) in all)")
+    if placement.teacher is not None:
+        lines.append(f"teacher: vLLM on {devices(placement.teacher.gpus)}, serving {placement.teacher.url}")
     return lines
 
 
@@ -222,6 +237,8 @@ def process_specs(
                                  env={**QUIET, "OMP_NUM_THREADS": "1"}))
     if plan.trainer is not None:
         specs.append(trainer_spec(config, run_dir, placement, plan, python, job_id))
+    if placement.teacher is not None and node == 0:
+        specs.append(teacher_spec(config, run_dir, placement.teacher, python))
     return specs
 
 
@@ -286,6 +303,13 @@ def replica_spec(config: RLConfig, run_dir: Path, replica: Replica, python: str,
     inference: InferenceConfig = config.inference.model_copy(update={"host": replica.host, "port": replica.port})
     path = write_config(run_dir, name, inference.model_dump(mode="json"))
     return ProcessSpec(name, [python, "-m", "inference.server", "--config", str(path)], env=visible(replica.gpus), required=False)
+
+
+def teacher_spec(config: RLConfig, run_dir: Path, teacher: Replica, python: str) -> ProcessSpec:
+    """The local distillation teacher: a vLLM server of its own (``prime_rl.teacher``)."""
+    inference = teacher_inference(config).model_copy(update={"tensor_parallel_size": max(1, len(teacher.gpus))})
+    path = write_config(run_dir, "teacher", inference.model_dump(mode="json"))
+    return ProcessSpec("teacher", [python, "-m", "inference.server", "--config", str(path)], env=visible(teacher.gpus), required=False)
 
 
 def trainer_spec(config: RLConfig, run_dir: Path, placement: Placement, plan: NodePlan, python: str, job_id: str) -> ProcessSpec:

@@ -42,6 +42,8 @@ def rl_bindings(config: RLConfig, placement: Placement, serve: bool = True) -> l
     host = placement.bind_host or transport.bind_host or placement.orchestrator_host
     for rank in range(config.orchestrator.num_trainer_ranks):
         bindings.append(Binding(host, transport.port + rank, "transport.port" + (f" + {rank} (trainer rank {rank})" if rank else "")))
+    if placement.teacher is not None:
+        bindings.append(Binding(placement.teacher.host, placement.teacher.port, "teacher.port"))
     return bindings
 
 

@@ -59,6 +59,11 @@ class Turn:
     while the request was in flight: its first tokens come from the older weights, the
     rest from the newer (each token's logprob is the one it was sampled with)."""
 
+    teacher_prompt_ids: list[int] | None = None
+    """Context distillation: the prompt the teacher scores this turn's completion under, in
+    place of ``prompt_ids`` (the conversation rendered with the teacher's system prompt).
+    Only on a turn that starts a sequence; None = the teacher sees ``prompt_ids``."""
+
 
 @dataclass(frozen=True)
 class ToolCall:

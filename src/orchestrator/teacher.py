@@ -1,0 +1,133 @@
+"""The distillation teacher, from the orchestrator's side: it scores every token the student
+sampled (`[teacher]`, `[trainer.loss.distill]`).
+
+Each sample's exact token ids go to the teacher's vLLM server as a prompt, and its prompt
+logprobs come back: log p_teacher of every token given the ones before it, under the
+teacher's weights, with nothing re-tokenized. With context distillation the sample's first
+prompt is swapped for the teacher's rendering of the same conversation with its own system
+prompt (``Turn.teacher_prompt_ids``); the completion and everything after it are the same
+tokens, shifted. The trainer turns the gap into each token's advantage
+(``trainer.loss.distill_advantages``).
+
+Before the first step, ``check`` refuses in one line a teacher that does not answer, one
+whose tokenizer differs from the student's, one whose context is shorter than a sample and
+one that returns no prompt logprobs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import time
+
+import numpy as np
+from prime_rl.chat import PROBE_CHAT
+from prime_rl.config import TeacherClientConfig
+from prime_rl.envs import Rollout, Turn
+
+from orchestrator.batch import ScoredRollout, rollout_tokens, sample_turns
+from orchestrator.client import InferenceClient, InferenceError
+
+PROBE_TEXT = " 0123 héllo wörld ✓ \t\n"
+"""Text whose tokenization tells tokenizers apart, beside the chat template's own tokens."""
+
+
+class TeacherError(RuntimeError):
+    """The teacher cannot serve this run (one line saying why)."""
+
+
+class Teacher:
+    def __init__(self, cfg: TeacherClientConfig):
+        key = os.environ.get(cfg.api_key_env) if cfg.api_key_env else None
+        client = cfg.client if key is None else cfg.client.model_copy(update={"api_key": key})
+        # an endpoint's key goes with every request; a local teacher proves it holds the run's key first
+        self.client = InferenceClient(client, cfg.model, own_server=cfg.api_key_env is None)
+        self.system_prompt = cfg.system_prompt
+        self.url = self.client.base_url
+
+    async def close(self) -> None:
+        await self.client.close()
+
+    async def check(self, tokenizer, seq_len: int) -> None:
+        """Refuse a teacher that cannot score this run's samples, before the first step."""
+        timeout = self.client.config.startup_timeout_s
+        try:
+            await self.client.wait_healthy(timeout)
+        except (TimeoutError, InferenceError) as e:
+            raise TeacherError(f"teacher at {self.url}: not reachable ({e})") from None
+        text = probe_text(tokenizer)
+        ours = tokenizer.encode(text, add_special_tokens=False)
+        try:
+            theirs, limit = await self.client.tokenize(text)
+        except InferenceError as e:
+            raise TeacherError(f"teacher at {self.url}: cannot check its tokenizer ({e}); a teacher must be a vLLM server") from None
+        if theirs != ours:
+            first = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+            raise TeacherError(
+                f"teacher at {self.url}: its tokenizer differs from the student's (a probe text's token {first} differs: "
+                "the teacher scores the student's exact token ids, so it needs the same tokenizer)"
+            )
+        if limit is not None and limit < seq_len + 1:
+            raise TeacherError(
+                f"teacher at {self.url}: its context is {limit} tokens, shorter than a sample (seq_len {seq_len} + 1): "
+                "serve it with a longer max_model_len (teacher.seq_len for a local teacher)"
+            )
+        try:
+            await self.client.prompt_logprobs(ours[: min(len(ours), 32)])
+        except InferenceError as e:
+            raise TeacherError(f"teacher at {self.url}: {e}") from None
+
+    async def score(
+        self, items: list[ScoredRollout], seq_len: int, per_turn: bool = False
+    ) -> tuple[list[ScoredRollout], dict[str, float]]:
+        """``items`` with the teacher's logprob of every sampled token, and the step's metrics:
+        `distill/reverse_kl` (mean over sampled tokens of log p_student - log p_teacher), the
+        teacher's time and tokens per second."""
+        start = time.perf_counter()
+        splits = [sample_turns(item.rollout, per_turn) for item in items]
+        flat = [(item.rollout, turns) for item, turns_of in zip(items, splits) for turns in turns_of]
+        scored = await asyncio.gather(*(self.sample_logprobs(rollout, turns, seq_len) for rollout, turns in flat))
+        elapsed = time.perf_counter() - start
+        out, at = [], 0
+        for item, turns_of in zip(items, splits):
+            out.append(dataclasses.replace(item, teacher_logprobs=tuple(t for t, _ in scored[at : at + len(turns_of)])))
+            at += len(turns_of)
+        gap = np.concatenate([g for _, g in scored]) if scored else np.zeros(0)
+        tokens = sum(len(t) for t, _ in scored)
+        return out, {
+            "distill/reverse_kl": float(gap.mean()) if len(gap) else 0.0,
+            "distill/teacher_s": elapsed,
+            "distill/teacher_tokens_per_s": tokens / max(elapsed, 1e-9),
+        }
+
+    async def sample_logprobs(self, rollout: Rollout, turns: list[Turn], seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+        """(teacher logprobs float32 [T] of the sample of ``rollout`` made of ``turns``, its
+        tokens cut at ``seq_len``, 0 off the sampled ones; log p_student - log p_teacher of
+        each sampled token)."""
+        ids, mask, student = (a[:seq_len] for a in rollout_tokens(rollout, turns))
+        sequence, offset = teacher_sequence(turns, ids)
+        teacher = await self.client.prompt_logprobs(sequence)
+        where = np.flatnonzero(mask)
+        out = np.zeros(len(ids), dtype=np.float32)
+        out[where] = teacher[where + offset]
+        return out, student[where] - out[where]
+
+
+def probe_text(tokenizer) -> str:
+    """The chat template's rendering of a probe chat (its special tokens), then ``PROBE_TEXT``."""
+    try:
+        return tokenizer.apply_chat_template(PROBE_CHAT, tokenize=False) + PROBE_TEXT
+    except ValueError:  # no chat template
+        return PROBE_TEXT
+
+
+def teacher_sequence(turns: list[Turn], ids: np.ndarray) -> tuple[list[int], int]:
+    """(the token ids the teacher scores for a sample of ``turns`` whose student tokens are
+    ``ids``, how far each student position moves in them): the same ids, or with context
+    distillation the teacher's first prompt in place of the student's."""
+    first = turns[0]
+    if first.teacher_prompt_ids is None:
+        return [int(t) for t in ids], 0
+    cut = len(first.prompt_ids)
+    return [*first.teacher_prompt_ids, *(int(t) for t in ids[cut:])], len(first.teacher_prompt_ids) - cut

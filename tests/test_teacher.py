@@ -1,0 +1,181 @@
+"""The distillation teacher without a server: config and placement, the sequences the teacher
+scores (context distillation swaps the first prompt), the scoring of a step's samples, and
+the parsing of vLLM's prompt logprobs. The real server: tests/test_inflight_vllm.py; the
+trio with a teacher process: tests/test_distill_trio.py."""
+
+import asyncio
+
+import numpy as np
+import pytest
+from prime_rl.config import RLConfig
+from prime_rl.deployment import PlacementError, plan_single_node, process_specs
+from prime_rl.envs import Rollout, Turn
+from prime_rl.ports import rl_bindings
+from prime_rl.settings import ConfigError
+from prime_rl.teacher import resolve_teacher
+from pydantic import ValidationError
+
+from orchestrator.batch import ScoredRollout, pack_batches
+from orchestrator.client import InferenceError, parse_prompt_logprobs
+from orchestrator.sampler import with_system_prompt
+from orchestrator.teacher import Teacher, teacher_sequence
+from prime_rl.config import TeacherClientConfig
+from prime_rl.wire import teacher_array
+
+def distill() -> dict:
+    return {"trainer": {"loss": {"distill": {"reward_weight": 0.5}}}}  # fresh: validation fills it in place
+
+
+def rl(**sections) -> RLConfig:
+    return RLConfig.model_validate({"model": "Qwen/Qwen3-0.6B", "batch_size": 64, **distill(), **sections})
+
+
+# --------------------------------------------------------------------------- config and placement
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ({"teacher": {"model": "t"}}, r"`\[teacher\]` is set but `\[trainer.loss.distill\]` is not"),
+        (distill(), r"trainer.loss.distill is set but there is no `\[teacher\]`"),
+        ({**distill(), "teacher": {}}, "set exactly one of `model`"),
+        ({**distill(), "teacher": {"model": "t", "endpoint": "e"}}, "set exactly one of `model`"),
+        ({**distill(), "teacher": {"model": "t", "system_prompt": "a", "system_prompt_file": "f"}}, "not both"),
+        ({"trainer": {"loss": {"distill": {"kl_weight": 0}}}, "teacher": {"model": "t"}}, "nothing would be learned"),
+    ],
+)
+def test_a_teacher_and_the_distillation_loss_come_together(data, message):
+    with pytest.raises(ValidationError, match=message):
+        RLConfig.model_validate({"model": "m", **data})
+
+
+def test_a_local_teacher_is_served_on_its_own_port_and_gpus(tmp_path):
+    cfg = resolve_teacher(rl(teacher={"model": "teacher-model", "port": 8123}, deployment={"inference_gpus": 2, "trainer_gpus": 1}))
+    assert cfg.orchestrator.teacher.client.base_url == "http://127.0.0.1:8123"
+    assert cfg.orchestrator.teacher.model == "teacher-model" and cfg.orchestrator.teacher.system_prompt is None
+    placement = plan_single_node(cfg, gpus_available=4)
+    assert placement.teacher.gpus == (3,) and placement.teacher.port == 8123
+    specs = {s.name: s for s in process_specs(cfg, tmp_path, placement)}
+    teacher = specs["teacher"]
+    assert teacher.env["CUDA_VISIBLE_DEVICES"] == "3" and not teacher.required  # a server, like inference
+    served = (tmp_path / "configs" / "teacher.json").read_text()
+    assert '"model": "teacher-model"' in served and '"port": 8123' in served and '"seq_len": 513' in served
+    assert ("127.0.0.1", 8123) in {(b.host, b.port) for b in rl_bindings(cfg, placement)}
+    with pytest.raises(PlacementError, match=r"needs 4 GPUs \(inference_gpus 2 \+ trainer_gpus 1 \+ teacher_gpus 1\)"):
+        plan_single_node(cfg, gpus_available=3)
+
+
+def test_an_endpoint_teacher_is_looked_up_and_its_key_stays_a_variable_name(tmp_path):
+    endpoints = tmp_path / "endpoints.toml"
+    endpoints.write_text('[[endpoint]]\nendpoint_id = "big"\nmodel = "org/big"\nurl = "http://10.0.0.1:8000/v1"\nkey = "BIG_KEY"\n')
+    cfg = resolve_teacher(rl(teacher={"endpoint": "big", "endpoints_path": str(endpoints)}))
+    teacher = cfg.orchestrator.teacher
+    assert (teacher.client.base_url, teacher.model, teacher.api_key_env) == ("http://10.0.0.1:8000", "org/big", "BIG_KEY")
+    assert teacher.client.api_key is None and plan_single_node(cfg, 0).teacher is None  # nothing to start
+    with pytest.raises(ConfigError, match=r"no endpoint 'small' in .*known: big"):
+        resolve_teacher(rl(teacher={"endpoint": "small", "endpoints_path": str(endpoints)}))
+
+
+def test_the_teachers_system_prompt_file_is_read_at_launch(tmp_path):
+    prompt = tmp_path / "best_prompt.txt"
+    prompt.write_text("Reverse the text, character by character.\n")
+    cfg = resolve_teacher(rl(teacher={"model": "t", "system_prompt_file": str(prompt)}))
+    assert cfg.orchestrator.teacher.system_prompt == "Reverse the text, character by character."
+    with pytest.raises(ConfigError, match=r"teacher.system_prompt_file: '.*missing.txt' not found"):
+        resolve_teacher(rl(teacher={"model": "t", "system_prompt_file": str(tmp_path / "missing.txt")}))
+
+
+# --------------------------------------------------------------------------- what the teacher scores
+
+
+def test_the_teacher_scores_the_students_ids_or_its_own_first_prompt():
+    plain = [Turn([1, 2], [3, 4], [-0.1, -0.2])]
+    assert teacher_sequence(plain, np.array([1, 2, 3, 4])) == ([1, 2, 3, 4], 0)
+    context = [Turn([1, 2], [3, 4], [-0.1, -0.2], teacher_prompt_ids=[9, 9, 9, 1, 2]), Turn([5], [6], [-0.3])]
+    assert teacher_sequence(context, np.array([1, 2, 3, 4, 5, 6])) == ([9, 9, 9, 1, 2, 3, 4, 5, 6], 3)
+
+
+def test_the_teachers_system_prompt_replaces_the_conversations_own():
+    chat = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
+    assert with_system_prompt(chat, "T") == [{"role": "system", "content": "T"}, {"role": "user", "content": "u"}]
+    assert with_system_prompt(chat[1:], "T") == [{"role": "system", "content": "T"}, {"role": "user", "content": "u"}]
+
+
+class ScriptedTeacher:
+    """Prompt logprobs of -0.01 * (position + 1), and the sequences it was asked for."""
+
+    def __init__(self):
+        self.asked = []
+
+    async def prompt_logprobs(self, ids):
+        self.asked.append(list(ids))
+        out = -0.01 * (np.arange(len(ids), dtype=np.float32) + 1)
+        out[0] = 0
+        return out
+
+
+def scored_teacher(items, seq_len=64):
+    teacher = Teacher(TeacherClientConfig(model="t"))
+    asyncio.run(teacher.close())
+    teacher.client = ScriptedTeacher()
+    return asyncio.run(teacher.score(items, seq_len)), teacher.client.asked
+
+
+def test_every_sampled_token_gets_the_teachers_logprob_at_its_own_position():
+    # one plain rollout, one whose teacher prompt is 2 tokens longer (context distillation)
+    plain = Rollout(0, [Turn([1, 2], [3, 4], [-0.5, -0.25])], 1.0)
+    context = Rollout(1, [Turn([1, 2], [3], [-0.125], teacher_prompt_ids=[7, 7, 1, 2])], 0.0)
+    items = [ScoredRollout(plain, 0.5, 0), ScoredRollout(context, -0.5, 0)]
+    (scored, row), asked = scored_teacher(items)
+    assert asked == [[1, 2, 3, 4], [7, 7, 1, 2, 3]]
+    (a,), (b,) = (item.teacher_logprobs for item in scored)
+    np.testing.assert_allclose(a, [0, 0, -0.03, -0.04])  # positions 2 and 3 of the same ids
+    np.testing.assert_allclose(b, [0, 0, -0.05])  # position 2 of the student = 4 of the teacher's
+    # reverse KL: mean of student - teacher over the three sampled tokens
+    assert row["distill/reverse_kl"] == pytest.approx(((-0.5 + 0.03) + (-0.25 + 0.04) + (-0.125 + 0.05)) / 3)
+    assert row["distill/teacher_tokens_per_s"] > 0
+    (batch,) = pack_batches(scored, step=0, num_ranks=1, micro_batch_size=8, temperature=1.0, seq_len=64)
+    np.testing.assert_allclose(teacher_array(batch.micro_batches[0].samples[0]), a)
+
+
+def test_a_rollout_of_two_samples_gets_two_teacher_arrays_and_seq_len_cuts_them():
+    turns = [Turn([1], [2, 3], [-0.1, -0.1]), Turn([4, 5], [6], [-0.1], restart=True)]
+    (scored, _), asked = scored_teacher([ScoredRollout(Rollout(0, turns, 1.0), 1.0, 0)], seq_len=2)
+    assert asked == [[1, 2], [4, 5]]
+    first, second = scored[0].teacher_logprobs
+    np.testing.assert_allclose(first, [0, -0.02])
+    np.testing.assert_allclose(second, [0, 0])  # the cut left no sampled token
+
+
+# --------------------------------------------------------------------------- vLLM's prompt logprobs
+
+
+def test_prompt_logprobs_are_read_by_token_id():
+    payload = {"choices": [{"prompt_logprobs": [None, {"5": {"logprob": -1.5, "rank": 2}, "9": {"logprob": -0.2, "rank": 1}},
+                                                {"7": {"logprob": -0.5, "rank": 1}}]}]}
+    np.testing.assert_allclose(parse_prompt_logprobs(payload, [1, 5, 7], "u"), [0, -1.5, -0.5])
+    with pytest.raises(InferenceError, match="carries no prompt_logprobs: a teacher must be a vLLM server"):
+        parse_prompt_logprobs({"choices": [{"text": "x"}]}, [1, 5], "u")
+    with pytest.raises(InferenceError, match="2 prompt logprobs for a prompt of 3 tokens"):
+        parse_prompt_logprobs({"choices": [{"prompt_logprobs": [None, {}]}]}, [1, 5, 7], "u")
+    with pytest.raises(InferenceError, match="no finite prompt logprob for token 7 at position 2"):
+        parse_prompt_logprobs({"choices": [{"prompt_logprobs": [None, {"5": {"logprob": -1}}, {"8": {"logprob": -1}}]}]}, [1, 5, 7], "u")
+
+
+def test_a_teacher_that_does_not_answer_is_one_line():
+    from helpers import free_port
+    from prime_rl.config import ClientConfig
+
+    from orchestrator.teacher import TeacherError
+
+    url = f"http://127.0.0.1:{free_port()}"
+    teacher = Teacher(TeacherClientConfig(model="t", client=ClientConfig(base_url=url, startup_timeout_s=1)))
+
+    async def go():
+        try:
+            await teacher.check(None, 64)
+        finally:
+            await teacher.close()
+
+    with pytest.raises(TeacherError, match=rf"^teacher at {url}: not reachable \(inference server at {url}/health not healthy after 1 s"):
+        asyncio.run(go())
