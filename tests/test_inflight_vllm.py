@@ -225,18 +225,19 @@ def test_the_teacher_scores_the_students_exact_ids_and_refuses_what_cannot_serve
         teacher = Teacher(TeacherClientConfig(model=str(tiny_model), client=ClientConfig(base_url=server, timeout_s=60)))
         try:
             await teacher.check(tokenizer, SEQ_LEN - 1)
-            scored = await teacher.client.prompt_logprobs(PROMPT + completion)
+            scored, again = await teacher.client.prompt_logprobs([PROMPT + completion, PROMPT])  # one request
             errors = []
             for tok, seq_len in ((ShiftedTokenizer(tokenizer), 64), (tokenizer, SEQ_LEN)):
                 with pytest.raises(TeacherError) as e:
                     await teacher.check(tok, seq_len)
                 errors.append(str(e.value))
-            return scored, errors
+            return scored, again, errors
         finally:
             await teacher.close()
 
-    scored, (other_tokenizer, short) = asyncio.run(go())
+    scored, again, (other_tokenizer, short) = asyncio.run(go())
     assert scored[0] == 0 and len(scored) == len(PROMPT) + len(completion)
+    np.testing.assert_allclose(again, scored[: len(PROMPT)], atol=1e-5)  # each prompt of a batch on its own
     np.testing.assert_allclose(scored[len(PROMPT):], hf_logprobs(tiny_model, PROMPT, completion), atol=2e-3)
     assert "its tokenizer differs from the student's" in other_tokenizer and "\n" not in other_tokenizer
     assert f"its context is {SEQ_LEN} tokens, shorter than a sample (seq_len {SEQ_LEN} + 1)" in short

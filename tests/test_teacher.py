@@ -107,11 +107,14 @@ class ScriptedTeacher:
     def __init__(self):
         self.asked = []
 
-    async def prompt_logprobs(self, ids):
-        self.asked.append(list(ids))
-        out = -0.01 * (np.arange(len(ids), dtype=np.float32) + 1)
-        out[0] = 0
-        return out
+    async def prompt_logprobs(self, prompts):
+        answers = []
+        for ids in prompts:
+            self.asked.append(list(ids))
+            out = -0.01 * (np.arange(len(ids), dtype=np.float32) + 1)
+            out[0] = 0
+            answers.append(out)
+        return answers
 
 
 def scored_teacher(items, seq_len=64):
@@ -151,15 +154,15 @@ def test_a_rollout_of_two_samples_gets_two_teacher_arrays_and_seq_len_cuts_them(
 
 
 def test_prompt_logprobs_are_read_by_token_id():
-    payload = {"choices": [{"prompt_logprobs": [None, {"5": {"logprob": -1.5, "rank": 2}, "9": {"logprob": -0.2, "rank": 1}},
-                                                {"7": {"logprob": -0.5, "rank": 1}}]}]}
-    np.testing.assert_allclose(parse_prompt_logprobs(payload, [1, 5, 7], "u"), [0, -1.5, -0.5])
+    choice = {"prompt_logprobs": [None, {"5": {"logprob": -1.5, "rank": 2}, "9": {"logprob": -0.2, "rank": 1}},
+                                  {"7": {"logprob": -0.5, "rank": 1}}]}
+    np.testing.assert_allclose(parse_prompt_logprobs(choice, [1, 5, 7], "u"), [0, -1.5, -0.5])
     with pytest.raises(InferenceError, match="carries no prompt_logprobs: a teacher must be a vLLM server"):
-        parse_prompt_logprobs({"choices": [{"text": "x"}]}, [1, 5], "u")
+        parse_prompt_logprobs({"text": "x"}, [1, 5], "u")
     with pytest.raises(InferenceError, match="2 prompt logprobs for a prompt of 3 tokens"):
-        parse_prompt_logprobs({"choices": [{"prompt_logprobs": [None, {}]}]}, [1, 5, 7], "u")
+        parse_prompt_logprobs({"prompt_logprobs": [None, {}]}, [1, 5, 7], "u")
     with pytest.raises(InferenceError, match="no finite prompt logprob for token 7 at position 2"):
-        parse_prompt_logprobs({"choices": [{"prompt_logprobs": [None, {"5": {"logprob": -1}}, {"8": {"logprob": -1}}]}]}, [1, 5, 7], "u")
+        parse_prompt_logprobs({"prompt_logprobs": [None, {"5": {"logprob": -1}}, {"8": {"logprob": -1}}]}, [1, 5, 7], "u")
 
 
 def test_a_teacher_that_does_not_answer_is_one_line():

@@ -212,15 +212,20 @@ class InferenceClient:
             raise InferenceError(f"{replica.url}: asked for {n} choices, the server returned {len(results)}")
         return results
 
-    async def prompt_logprobs(self, token_ids: list[int]) -> np.ndarray:
-        """The model's logprob of every token of ``token_ids`` given the ones before it
-        (vLLM's prompt logprobs, raw: temperature 1), float32 [len(token_ids)], 0 at position 0
-        (nothing to condition on). One prefill of the exact ids: nothing is re-tokenized.
-        Raises InferenceError when the server returns none (not a vLLM completions API)."""
-        body = {"model": self.model_name, "prompt": list(token_ids), "max_tokens": 1, "prompt_logprobs": 0}
+    async def prompt_logprobs(self, prompts: list[list[int]]) -> list[np.ndarray]:
+        """For each token-id prompt, the model's logprob of every token given the ones before
+        it (vLLM's prompt logprobs, raw: temperature 1), float32 [len(prompt)], 0 at position
+        0 (nothing to condition on): one request, one prefill per prompt of the exact ids,
+        nothing re-tokenized. Raises InferenceError when the server returns none (not a
+        vLLM completions API)."""
+        body = {"model": self.model_name, "prompt": [list(p) for p in prompts], "max_tokens": 1, "prompt_logprobs": 0}
         async with self._generation() as replica:
             response = await self._post(replica, "/v1/completions", json=body)
-        return parse_prompt_logprobs(response.json(), token_ids, replica.url)
+        payload = response.json()
+        choices = payload.get("choices") if isinstance(payload, dict) else None
+        if not isinstance(choices, list) or len(choices) != len(prompts):
+            raise InferenceError(f"{replica.url}: sent {len(prompts)} prompts, got {len(choices or [])} choices back")
+        return [parse_prompt_logprobs(choice, prompt, replica.url) for choice, prompt in zip(choices, prompts)]
 
     async def tokenize(self, text: str) -> tuple[list[int], int | None]:
         """(token ids of ``text`` without special tokens added, the server's max_model_len) by
@@ -616,11 +621,10 @@ def cache_salt(version: int) -> str:
     return f"prime-rl-policy-{version}"
 
 
-def parse_prompt_logprobs(payload: Any, token_ids: list[int], url: str) -> np.ndarray:
-    """float32 [len(token_ids)] from a completion answered with ``prompt_logprobs``: at each
-    position i > 0 the logprob of token_ids[i] (vLLM lists it among the top ones: key = the id)."""
-    choices = payload.get("choices") if isinstance(payload, dict) else None
-    entries = choices[0].get("prompt_logprobs") if choices and isinstance(choices[0], dict) else None
+def parse_prompt_logprobs(choice: Any, token_ids: list[int], url: str) -> np.ndarray:
+    """float32 [len(token_ids)] from a completion choice answered with ``prompt_logprobs``: at
+    each position i > 0 the logprob of token_ids[i] (vLLM lists it among the top ones: key = the id)."""
+    entries = choice.get("prompt_logprobs") if isinstance(choice, dict) else None
     if not isinstance(entries, list):
         raise InferenceError(
             f"{url}: the completion carries no prompt_logprobs: a teacher must be a vLLM server (its completions API "
