@@ -319,6 +319,15 @@ def plot_rewards(series: dict[str, list[tuple[list[float], list[float]]]], path:
     plt.close(fig)
 
 
+def write_part(results: Path, name: str, mode: str, lines: list[str], result: dict) -> None:
+    """A part that renders its own RESULTS.md section: ``results/<name>.json`` (date, mode,
+    machine, the section's lines, the raw result), the lines printed, RESULTS.md regenerated."""
+    data = {"date": time.strftime("%Y-%m-%d %H:%M"), "mode": mode, "machine": machine(), "lines": lines, name: result}
+    (results / f"{name}.json").write_text(json.dumps(data, indent=1))
+    print("\n".join(lines))
+    print(f"wrote {write_results_md(results)}")
+
+
 def write_results_md(results: Path) -> Path:
     """RESULTS.md beside ``results`` from every results file in it: machine, each figure's
     median [min, max], the ratios."""
