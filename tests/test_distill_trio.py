@@ -5,7 +5,7 @@ import numpy as np
 
 from helpers import finish, free_port, kill_mid_run, start_launcher, tagged_processes, trio_toml
 from orchestrator.progress import load_record
-from prime_rl.rundir import complete_steps, log_path, metrics_path, read_jsonl, rollouts_dir
+from prime_rl.rundir import complete_steps, metrics_path, read_jsonl, rollouts_dir
 from prime_rl.wire import decode_batch, sample_arrays, teacher_array
 
 MAX_STEPS = 4

@@ -49,7 +49,6 @@ class Teacher:
         client = cfg.client if key is None else cfg.client.model_copy(update={"api_key": key})
         # an endpoint's key goes with every request; a local teacher proves it holds the run's key first
         self.client = InferenceClient(client, cfg.model, own_server=cfg.api_key_env is None)
-        self.system_prompt = cfg.system_prompt
         self.url = self.client.base_url
 
     async def close(self) -> None:

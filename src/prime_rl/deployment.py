@@ -301,15 +301,20 @@ def replica_specs(config: RLConfig, run_dir: Path, plan: NodePlan, multi: bool) 
 def replica_spec(config: RLConfig, run_dir: Path, replica: Replica, python: str, multi: bool) -> ProcessSpec:
     name = f"inference-{replica.index}" if multi else "inference"
     inference: InferenceConfig = config.inference.model_copy(update={"host": replica.host, "port": replica.port})
-    path = write_config(run_dir, name, inference.model_dump(mode="json"))
-    return ProcessSpec(name, [python, "-m", "inference.server", "--config", str(path)], env=visible(replica.gpus), required=False)
+    return server_spec(run_dir, name, inference, replica.gpus, python)
 
 
 def teacher_spec(config: RLConfig, run_dir: Path, teacher: Replica, python: str) -> ProcessSpec:
     """The local distillation teacher: a vLLM server of its own (``prime_rl.teacher``)."""
     inference = teacher_inference(config).model_copy(update={"tensor_parallel_size": max(1, len(teacher.gpus))})
-    path = write_config(run_dir, "teacher", inference.model_dump(mode="json"))
-    return ProcessSpec("teacher", [python, "-m", "inference.server", "--config", str(path)], env=visible(teacher.gpus), required=False)
+    return server_spec(run_dir, "teacher", inference, teacher.gpus, python)
+
+
+def server_spec(run_dir: Path, name: str, inference: InferenceConfig, gpus: tuple[int, ...], python: str) -> ProcessSpec:
+    """A vLLM server (`inference.server`) on ``gpus``, its config in RUN/configs/<name>.json; a
+    server, not required to exit (the run ends when its other processes are done)."""
+    path = write_config(run_dir, name, inference.model_dump(mode="json"))
+    return ProcessSpec(name, [python, "-m", "inference.server", "--config", str(path)], env=visible(gpus), required=False)
 
 
 def trainer_spec(config: RLConfig, run_dir: Path, placement: Placement, plan: NodePlan, python: str, job_id: str) -> ProcessSpec:
