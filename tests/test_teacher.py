@@ -83,6 +83,8 @@ def test_the_teachers_system_prompt_file_is_read_at_launch(tmp_path):
     assert cfg.orchestrator.teacher.system_prompt == "Reverse the text, character by character."
     with pytest.raises(ConfigError, match=r"teacher.system_prompt_file: '.*missing.txt' not found"):
         resolve_teacher(rl(teacher={"model": "t", "system_prompt_file": str(tmp_path / "missing.txt")}))
+    with pytest.raises(ConfigError, match=r"^teacher.system_prompt_file: '/proc/self/environ' lies under /proc"):
+        resolve_teacher(rl(teacher={"model": "t", "system_prompt_file": "/proc/self/environ"}))  # the process's secrets
 
 
 # --------------------------------------------------------------------------- what the teacher scores

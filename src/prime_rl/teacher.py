@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from prime_rl.config import ClientConfig, InferenceConfig, RLConfig, TeacherClientConfig, TeacherConfig
+from prime_rl.config import ClientConfig, InferenceConfig, RLConfig, TeacherClientConfig, TeacherConfig, check_prompt_file
 from prime_rl.settings import ConfigError
 
 
@@ -57,6 +57,10 @@ def teacher_system_prompt(teacher: TeacherConfig) -> str | None:
     path = Path(teacher.system_prompt_file).expanduser()
     if not path.is_file():
         raise ConfigError(f"teacher.system_prompt_file: {str(path)!r} not found (expected a text file holding the teacher's system prompt)")
+    try:
+        check_prompt_file(path)  # the hardening every system prompt file gets: no /proc, no root-only file
+    except ValueError as e:
+        raise ConfigError(f"teacher.{e}") from None
     text = path.read_text().strip()
     if not text:
         raise ConfigError(f"teacher.system_prompt_file: {str(path)!r} is empty")
