@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The test suite: installs what it needs (uv sync) and runs pytest.
-#   bash scripts/test.sh            default suite (includes one real trio run)
+#   bash scripts/test.sh            default suite (real trio runs: at least one per capability)
 #   bash scripts/test.sh -m slow    the slow end-to-end runs
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -5,8 +5,9 @@
     prime-rl inference CONFIG.toml [--dotted.flags ...] [--no-tmux]               a warm vLLM server that runs attach to
     prime-rl sft CONFIG.toml [--dotted.flags ...]                                 supervised fine-tuning
     prime-rl eval ENV_ID|CONFIG.toml [-m MODEL] [-n N] [-r R] [-s] [...]          evaluate a model
+    prime-rl gepa ENV_ID|CONFIG.toml [-m MODEL] [-M REFLECTION_MODEL] [...]       optimize a system prompt (GEPA)
     prime-rl export RUN_DIR [--step N] [--merge] [--output DIR]                   a run's weights, standalone
-    prime-rl [inference|sft|eval] --help                                          every setting, with its doc
+    prime-rl [inference|sft|eval|gepa] --help                                     every setting, with its doc
 
 Configs are validated, and model paths checked, before any process starts; a bad
 config exits with code 2 and one line per problem. The resolved config of each
@@ -124,7 +125,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def rl(argv: list[str]) -> int:
     if not argv or "--help" in argv or "-h" in argv:
-        print_help("prime-rl CONFIG.toml [flags]   (also: prime-rl inference|sft|eval --help)", RLConfig, LAUNCHER_FLAGS)
+        print_help("prime-rl CONFIG.toml [flags]   (also: prime-rl inference|sft|eval|gepa --help)", RLConfig, LAUNCHER_FLAGS)
         return 0
     argv, resume_step = take_resume_step(argv)
     launcher_flags = {flag for flag in LAUNCHER_FLAGS if flag in argv}
