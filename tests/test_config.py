@@ -131,10 +131,9 @@ def test_help_lists_documented_flags():
 
 
 def test_contracts_do_not_import_torch_or_vllm():
-    code = "import sys, prime_rl.cli, prime_rl.wire, prime_rl.metrics; print(sorted(m for m in ('torch','vllm') if m in sys.modules))"
+    code = "import sys, prime_rl.cli, prime_rl.wire, prime_rl.metrics, prime_rl.envs; print(sorted(m for m in ('torch','vllm') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
-
 
 
 @pytest.mark.parametrize("name", ["reverse-text", "alphabet-sort", "gsm8k", "wordle", "wiki-search", "math-python"])
