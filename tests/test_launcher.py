@@ -103,3 +103,29 @@ def test_children_die_with_a_killed_launcher(tmp_path):
     launcher.kill()
     launcher.wait(timeout=10)
     assert wait_until(lambda: tagged_processes(tag) == [], timeout=10), tagged_processes(tag)
+
+
+def test_with_tmux_nothing_of_the_run_is_left_the_moment_the_launcher_returns(tmp_path):
+    """The launcher ends its tmux session itself and waits for its panes (`tail --pid`) and,
+    where that session was the server's last, the tmux server: a check right after it
+    returns finds nothing (a SLURM node's check once saw the session alive a second longer).
+    A tmux server of the user's with other sessions keeps running."""
+    tag = new_tag()
+    env = {**os.environ, "PRIME_RL_TEST_TAG": tag, "TMUX_TMPDIR": str(tmp_path)}  # a tmux server of the test's own
+    env.pop("TMUX", None)
+    specs = '[ProcessSpec("trainer", [sys.executable, "-c", "print(1)"])]'
+    script = driver(tmp_path / "run", specs).replace("use_tmux=False, session_name='unused'", "use_tmux=True, session_name='t'")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert tagged_processes(tag) == []
+
+    subprocess.run(["tmux", "new-session", "-d", "-s", "users", "sleep 600"], env=env, check=True)
+    try:
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+        assert done.returncode == 0, done.stderr
+        left = tagged_processes(tag)
+        assert left and all("tail" not in cmd for _, cmd in left), left  # the user's server and session stay
+        sessions = subprocess.run(["tmux", "ls", "-F", "#{session_name}"], env=env, capture_output=True, text=True).stdout
+        assert sessions.split() == ["users"]
+    finally:
+        subprocess.run(["tmux", "kill-server"], env=env)

@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import psutil
+
 from prime_rl.heartbeat import Beat, heartbeat_path, read_heartbeats
 from prime_rl.rundir import log_path
 
@@ -244,6 +246,9 @@ def status(beat: Beat | None, finished: bool, serving: bool, now: float) -> str:
 # --------------------------------------------------------------------------- tmux
 
 
+CLOSE_TIMEOUT_S = 5.0  # how long closing the tmux view waits for its panes and server to exit
+
+
 class TmuxView:
     """One tmux session, one pane per process following its log."""
 
@@ -278,11 +283,29 @@ class TmuxView:
         return f"tail -n +1 -F --pid={os.getpid()} {str(log)!r}"
 
     def close(self) -> None:
+        """End the session, and return once its panes' processes are gone, and the tmux
+        server too where this session was its last (it exits on its own then): nothing of
+        the run is left the moment the launcher returns (bounded: ``CLOSE_TIMEOUT_S``)."""
+        panes, server = [], []
         try:
             if self.server.has_session(self.name):
+                panes = _processes(int(pane.pane_pid) for pane in self.session.panes)
+                server = _processes([int(self.server.cmd("display-message", "-p", "#{pid}").stdout[0])])
                 self.server.kill_session(self.name)
+                if self.server.sessions:  # a tmux server of the user's, with other sessions: it stays
+                    server = []
         except Exception:  # noqa: BLE001 - the tmux server may already be gone
             pass
+        psutil.wait_procs(panes + server, timeout=CLOSE_TIMEOUT_S)
+
+
+def _processes(pids) -> list:
+    """psutil handles of the processes among ``pids`` that still exist."""
+    found = []
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):
+            found.append(psutil.Process(pid))
+    return found
 
 
 def tmux_available() -> bool:
