@@ -209,25 +209,6 @@ def test_reload_weights_between_requests_reloads_and_resets_the_prefix_cache(tmp
     }
 
 
-def test_reload_weights_with_a_request_in_flight_drains_it_first(tmp_path):
-    """A generation request still running: pause (it finishes on the old weights), reload,
-    reset the prefix cache, resume: the four calls in that order."""
-
-    def slow(messages, index):
-        time.sleep(0.3)
-        return "x"
-
-    async def reload_while_generating(client):
-        request = asyncio.ensure_future(complete(client, max_tokens=4, temperature=1.0))
-        await asyncio.sleep(0.1)  # the request is at the server
-        await client.reload_weights(tmp_path)
-        return await request
-
-    with FakeInferenceServer(responder=slow) as server:
-        run_with_client(server, reload_while_generating)
-    assert server.admin_calls() == ["/pause?mode=wait", "/collective_rpc", "/reset_prefix_cache", "/resume"]
-
-
 def held_first_request():
     """(entered, release, responder): the fake server's first request sets ``entered`` and
     is answered only once the test sets ``release``: a request in flight, event-driven."""
@@ -240,6 +221,24 @@ def held_first_request():
         return "x"
 
     return entered, release, held
+
+
+def test_reload_weights_with_a_request_in_flight_drains_it_first(tmp_path):
+    """A generation request still running: pause (it finishes on the old weights), reload,
+    reset the prefix cache, resume: the four calls in that order."""
+
+    entered, release, held = held_first_request()
+
+    async def reload_while_generating(client):
+        request = asyncio.ensure_future(complete(client, max_tokens=4, temperature=1.0))
+        await asyncio.to_thread(entered.wait, 10)  # the request is at the server
+        await client.reload_weights(tmp_path)
+        release.set()
+        return await request
+
+    with FakeInferenceServer(responder=held) as server:
+        run_with_client(server, reload_while_generating)
+    assert server.admin_calls() == ["/pause?mode=wait", "/collective_rpc", "/reset_prefix_cache", "/resume"]
 
 
 def test_an_in_flight_reload_keeps_the_request_and_labels_it_with_both_versions(tmp_path):
@@ -291,19 +290,18 @@ def test_a_reload_cancelled_after_its_pause_still_resumes_the_server(tmp_path):
 
 
 def test_failed_reload_names_the_call_and_still_resumes(tmp_path):
-    def slow(messages, index):
-        time.sleep(0.5)
-        return "x"
+    entered, release, held = held_first_request()
 
     async def reload_while_generating(client):
         request = asyncio.ensure_future(complete(client, max_tokens=4, temperature=1.0))
-        await asyncio.sleep(0.1)
+        await asyncio.to_thread(entered.wait, 10)
         try:
             await client.reload_weights(tmp_path)
         finally:
+            release.set()
             await request
 
-    with FakeInferenceServer(fail={"/collective_rpc": 500}, responder=slow) as server:
+    with FakeInferenceServer(fail={"/collective_rpc": 500}, responder=held) as server:
         with pytest.raises(InferenceError, match=r"/collective_rpc answered status 500"):
             run_with_client(server, reload_while_generating, max_retries=1, retry_backoff_s=0.01)
     # a 500 is retried once (max_retries=1), then the server is resumed and the error raised
@@ -518,15 +516,18 @@ def test_requests_one_at_a_time_alternate_over_the_replicas():
 def test_a_request_goes_to_the_replica_with_the_fewest_in_flight():
     """A's first request is still running: the next three, one at a time, all go to B."""
 
+    entered, release, held = held_first_request()
+
     async def while_a_is_busy(client):
         busy = asyncio.ensure_future(complete(client, max_tokens=4))  # replica 0: first in the round robin
-        await asyncio.sleep(0.1)
+        await asyncio.to_thread(entered.wait, 10)
         for _ in range(3):
             await complete(client, max_tokens=4)
+        release.set()
         await busy
         return client.requests_per_replica()
 
-    with FakeInferenceServer(delay={"/v1/completions": 0.5}) as a, FakeInferenceServer() as b:
+    with FakeInferenceServer(responder=held) as a, FakeInferenceServer() as b:
         counts = run_with_replicas([a, b], while_a_is_busy)
     assert counts == [1, 3] and (completions_served(a), completions_served(b)) == (1, 3)
 
@@ -547,17 +548,16 @@ def test_a_reload_reaches_every_replica_and_drains_only_the_busy_one(tmp_path):
     """A has a generation request in flight, B has none: A pauses and resumes around its
     reload, B reloads directly; both reset their prefix cache."""
 
-    def slow(messages, index):
-        time.sleep(0.3)
-        return "x"
+    entered, release, held = held_first_request()
 
     async def reload_while_a_generates(client):
         request = asyncio.ensure_future(complete(client, max_tokens=4))
-        await asyncio.sleep(0.1)
+        await asyncio.to_thread(entered.wait, 10)
         await client.reload_weights(tmp_path / "step_2")
+        release.set()
         await request
 
-    with FakeInferenceServer(responder=slow) as a, FakeInferenceServer() as b:
+    with FakeInferenceServer(responder=held) as a, FakeInferenceServer() as b:
         run_with_replicas([a, b], reload_while_a_generates)
     assert a.admin_calls() == ["/pause?mode=wait", "/collective_rpc", "/reset_prefix_cache", "/resume"]
     assert b.admin_calls() == ["/collective_rpc", "/reset_prefix_cache"]

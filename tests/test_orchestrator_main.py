@@ -15,7 +15,7 @@ from prime_rl.wire import decode_batch, encode_batch, sample_arrays
 from orchestrator.batch import ScoredRollout, pack_batches
 from orchestrator.data import ExampleOrder
 from orchestrator.fake_inference import FakeInferenceServer
-from orchestrator.main import main, resume, sync_policy
+from orchestrator.main import WEIGHTS_POLL_S, main, resume, sync_policy
 from orchestrator.progress import StepRecord, save_record
 
 from helpers import free_port, orchestrator_process
@@ -62,18 +62,20 @@ def test_newer_weights_are_reloaded_without_waiting(tmp_path):
 
 
 def test_too_old_policy_waits_for_the_required_step(tmp_path):
-    async def trainer_later():
-        await asyncio.sleep(0.3)
-        write_weights(tmp_path, 1)
+    """Step 2 needs version 1: the sync is still waiting after several polls of the empty
+    weights folder, and returns with step 1 once the trainer writes it."""
 
     async def go():
         cfg = OrchestratorConfig(output_dir=tmp_path, async_level=1, weights_timeout_s=5)
         client = RecordingClient()
-        _, result = await asyncio.gather(trainer_later(), sync_policy(2, 0, cfg, client))
-        return result, client.reloaded
+        task = asyncio.ensure_future(sync_policy(2, 0, cfg, client))
+        await asyncio.sleep(3 * WEIGHTS_POLL_S)
+        waiting = not task.done()
+        write_weights(tmp_path, 1)  # the trainer, later
+        return waiting, await task, client.reloaded
 
-    result, reloaded = asyncio.run(go())
-    assert (result.version, reloaded) == (1, ["step_1"]) and result.wait_s >= 0.25
+    waiting, result, reloaded = asyncio.run(go())
+    assert waiting and (result.version, reloaded) == (1, ["step_1"]) and result.wait_s >= 3 * WEIGHTS_POLL_S
 
 
 def test_weights_wait_times_out_naming_the_step(tmp_path):
