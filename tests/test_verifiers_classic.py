@@ -303,7 +303,7 @@ def test_a_worker_that_goes_silent_stops_the_run_with_one_line(vf03_python, tmp_
                               text=True, timeout=180, env={**os.environ, "PYTHONPATH": str(REPO / "src")})
         took = time.monotonic() - started
     assert done.returncode == 1 and took < 120, done.stderr
-    (line,) = [l for l in done.stderr.strip().splitlines() if l.startswith("[orchestrator] error")]
+    (line,) = [s for s in done.stderr.strip().splitlines() if s.startswith("[orchestrator] error")]
     assert "environment 'vf-broken': its worker sent nothing for 3 s" in line and "it hangs" in line
 
 
@@ -336,7 +336,7 @@ def test_killing_the_worker_stops_the_orchestrator_with_one_line_naming_the_envi
             if proc.poll() is None:
                 proc.kill()
     assert proc.returncode == 1 and stopped_s < 10
-    (line,) = [l for l in err.strip().splitlines() if l.startswith("[orchestrator] error")]
+    (line,) = [s for s in err.strip().splitlines() if s.startswith("[orchestrator] error")]
     assert "environment 'vf-multi'" in line and "killed by signal 9" in line and "env-vf-multi.log" in line
     assert not tagged_processes(tag)
 

@@ -97,7 +97,7 @@ def holder(port: int) -> str:
     cannot be seen (another user's process without root)."""
     try:
         connections = [c for c in psutil.net_connections(kind="tcp") if c.laddr and c.laddr.port == port and c.pid]
-    except Exception:  # AccessDenied (macOS without root), ...
+    except Exception:  # noqa: BLE001 - AccessDenied (macOS without root), ...
         return "another program"
     if not connections:
         return "another program"

@@ -228,7 +228,7 @@ class ToolEnv(MultiTurnEnv):
             result = await asyncio.wait_for(self._call(self.tools[name], args), self.tool_timeout_s)
         except asyncio.TimeoutError:
             return self._failed(stats, name, f"Error: {name} timed out after {self.tool_timeout_s} s")
-        except Exception as e:  # a tool's failure is the model's feedback, never the rollout's end
+        except Exception as e:  # noqa: BLE001 - a tool's failure is the model's feedback, never the rollout's end
             return self._failed(stats, name, self.error_formatter(e))
         return self._truncate(result if isinstance(result, str) else _as_text(result))
 
