@@ -20,7 +20,7 @@ from rich.console import Console
 from orchestrator.client import InferenceClient
 from orchestrator.eval import EnvResult, result_table
 from orchestrator.envs.reverse_text import lcs_ratio
-from orchestrator.fake_inference import FakeInferenceServer
+from fake_inference import FakeInferenceServer
 from orchestrator.sampler import ChatSampler
 from prime_rl.cli import load_eval_config, main, resolve_eval_target
 from prime_rl.config import ClientConfig, EvalEnvConfig, EvalRunConfig, EvalSamplingConfig, KNOWN_ENVIRONMENTS

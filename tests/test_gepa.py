@@ -13,7 +13,7 @@ import pytest
 
 from orchestrator.client import InferenceClient
 from orchestrator.envs import load_env
-from orchestrator.fake_inference import FakeInferenceServer
+from fake_inference import FakeInferenceServer
 from orchestrator.gepa_adapter import COMPONENT, EnvironmentAdapter, NoSystemPrompt, seed_prompt
 from prime_rl.envs.env import with_system_prompt
 from orchestrator.sampler import ChatSampler

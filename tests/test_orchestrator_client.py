@@ -10,7 +10,7 @@ from prime_rl.config import ClientConfig
 
 import orchestrator.client as client_module
 from orchestrator.client import InferenceClient, InferenceError, parse_completion_choices
-from orchestrator.fake_inference import IM_END, LOGPROB, FakeInferenceServer, encode_chat
+from fake_inference import IM_END, LOGPROB, FakeInferenceServer, encode_chat
 
 from helpers import free_port
 

@@ -14,7 +14,7 @@ from prime_rl.wire import decode_batch, encode_batch, sample_arrays
 
 from orchestrator.batch import ScoredRollout, pack_batches
 from orchestrator.data import ExampleOrder
-from orchestrator.fake_inference import FakeInferenceServer
+from fake_inference import FakeInferenceServer
 from orchestrator.main import WEIGHTS_POLL_S, main, resume, sync_policy
 from orchestrator.progress import StepRecord, save_record
 

@@ -10,7 +10,7 @@ from prime_rl.rundir import begin_step_dir, finish_step_dir, weights_dir
 
 from orchestrator.batch import ScoredRollout
 from orchestrator.client import InferenceClient, InferenceError
-from orchestrator.fake_inference import LOGPROB, FakeInferenceServer, encode_chat
+from fake_inference import LOGPROB, FakeInferenceServer, encode_chat
 from orchestrator.main import sync_policy, step_metrics
 
 

@@ -9,7 +9,7 @@ from transformers import AutoTokenizer
 
 from orchestrator.client import InferenceClient
 from orchestrator.envs.reverse_text import load_environment
-from orchestrator.fake_inference import FakeInferenceServer
+from fake_inference import FakeInferenceServer
 from orchestrator.main import main
 from orchestrator.preflight import PreflightFailed, preflight
 from orchestrator.rollouts import pass_at_k, summarize

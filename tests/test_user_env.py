@@ -15,7 +15,7 @@ import pytest
 from prime_rl.config import KNOWN_ENVIRONMENTS
 from prime_rl.wire import sample_arrays
 
-from orchestrator.fake_inference import IM_END, FakeInferenceServer
+from fake_inference import IM_END, FakeInferenceServer
 
 from helpers import REPO, free_port, orchestrator_process
 

@@ -20,7 +20,7 @@ import time
 import pytest
 from prime_rl.wire import sample_arrays
 
-from orchestrator.fake_inference import IM_END, LOGPROB, FakeInferenceServer
+from fake_inference import IM_END, LOGPROB, FakeInferenceServer
 
 from helpers import REPO, free_port, mask_spans, new_tag, orchestrator_process, tagged_processes
 from verifiers_venvs import verifiers_venv

@@ -16,7 +16,7 @@ import difflib
 import pytest
 from prime_rl.wire import sample_arrays
 
-from orchestrator.fake_inference import FakeInferenceServer
+from fake_inference import FakeInferenceServer
 
 from helpers import mask_spans
 from test_verifiers_classic import (

@@ -24,7 +24,7 @@ without a model. Lets the orchestrator (or anyone) run without vLLM.
   ({path: seconds}) makes it answer late; with ``faults_first=k`` only the first k
   requests to such a path are affected (a transient fault), else all of them.
 
-Standalone: ``python -m orchestrator.fake_inference --port 8000``.
+Standalone (from tests/): ``python fake_inference.py --port 8000``.
 """
 
 from __future__ import annotations
