@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 from helpers import REPO
-from test_trainer_rl import batch_frame, make_samples  # reverse-text samples scored by the tiny model
+from trainer_helpers import batch_frame, make_samples  # reverse-text samples scored by the tiny model
 
 from prime_rl.rundir import MARKER, config_path, rollouts_step_dir
 

@@ -15,7 +15,7 @@ from helpers import REPO, free_port, free_port_pair, new_tag, tagged_processes, 
 from prime_rl.launcher import tail
 from prime_rl.rundir import MARKER, checkpoint_step_dir, config_path, log_path, metrics_path, read_jsonl, weights_step_dir
 from orchestrator.progress import load_record, repacked_frames
-from test_trainer_rl import run_trainer_process
+from trainer_helpers import run_trainer_process
 
 STEPS = 4
 SCALE_OUT = """api_key = "scale-out-key"

@@ -199,7 +199,7 @@ def test_permission_denied_keeps_the_previous_checkpoint_and_names_the_path(tiny
 def test_trainer_process_stops_on_a_full_disk_naming_the_checkpoint(tiny_model, tmp_path):
     """The real trainer process on a nearly full disk: checkpoint 1 fits, checkpoint 2 does not."""
     from helpers import free_port
-    from test_trainer_rl import batch_frame, make_samples, run_trainer_process, trainer_config
+    from trainer_helpers import batch_frame, make_samples, run_trainer_process, trainer_config
 
     run = tmp_path / "run"
     samples = make_samples(tiny_model, policy_version=0)
