@@ -74,6 +74,16 @@ def test_xml_answer_format_reads_the_tag():
     assert score(env, example, example.answer) == 0.0  # no tag, no answer
 
 
+def test_system_prompt_replaces_the_instruction_and_empty_drops_the_system_message():
+    assert load_environment(num_examples=1).dataset[0].prompt[0] == {"role": "system", "content": SYSTEM_PROMPT}
+    custom = load_environment(num_examples=1, num_eval_examples=1, system_prompt="Mirror it.")
+    assert custom.dataset[0].prompt[0] == custom.eval_dataset[0].prompt[0] == {"role": "system", "content": "Mirror it."}
+    bare = load_environment(num_examples=1, num_eval_examples=1, system_prompt="")
+    assert [m["role"] for m in bare.dataset[0].prompt] == [m["role"] for m in bare.eval_dataset[0].prompt] == ["user"]
+    with pytest.raises(ValueError, match="system_prompt must be a string"):
+        load_environment(num_examples=1, system_prompt=3)
+
+
 def test_dataset_is_deterministic_and_well_formed():
     a, b = load_environment(num_examples=200), load_environment(num_examples=200)
     assert a.dataset == b.dataset

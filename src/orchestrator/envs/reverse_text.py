@@ -7,6 +7,8 @@ near misses earn partial credit (a smooth signal for a small model).
 
 ``answer_format="xml"`` asks for the hub version's format (`<reversed_text>...</reversed_text>`,
 parsed with an XMLParser); the default `plain` takes the whole reply as the answer.
+``system_prompt`` replaces the instruction; "" asks with no system message at all (the bare
+text: a student that context distillation teaches to do without the instruction).
 """
 
 from __future__ import annotations
@@ -68,6 +70,7 @@ def load_environment(
     seed: int = 0,
     answer_format: Literal["plain", "xml"] = "plain",
     num_eval_examples: int = 100,
+    system_prompt: str | None = None,
 ) -> SingleTurnEnv:
     if not 1 <= min_len <= max_len:
         raise ValueError(f"reverse-text: need 1 <= min_len <= max_len, got min_len={min_len}, max_len={max_len}")
@@ -75,6 +78,10 @@ def load_environment(
         raise ValueError(f"reverse-text: num_examples must be >= 1 and num_eval_examples >= 0, got {num_examples}, {num_eval_examples}")
     if answer_format not in ("plain", "xml"):
         raise ValueError(f"reverse-text: answer_format must be 'plain' or 'xml', got {answer_format!r}")
+    if system_prompt is not None and not isinstance(system_prompt, str):
+        raise ValueError(f"reverse-text: system_prompt must be a string (\"\" for none), got {type(system_prompt).__name__}")
+    if system_prompt is None:
+        system_prompt = XML_SYSTEM_PROMPT if answer_format == "xml" else SYSTEM_PROMPT
     parser = XMLParser(["reversed_text"], answer_field="reversed_text") if answer_format == "xml" else Parser()
     rubric = Rubric(funcs=[lcs_reward], parser=parser)
     if answer_format == "xml":
@@ -83,7 +90,7 @@ def load_environment(
         dataset=make_rows(num_examples, min_len, max_len, seed),
         # a different seed than any training seed a run is likely to use
         eval_dataset=make_rows(num_eval_examples, min_len, max_len, seed + 10_000) if num_eval_examples else None,
-        system_prompt=XML_SYSTEM_PROMPT if answer_format == "xml" else SYSTEM_PROMPT,
+        system_prompt=system_prompt or None,  # "": no system message
         parser=parser,
         rubric=rubric,
     )
