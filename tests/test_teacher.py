@@ -16,11 +16,11 @@ from prime_rl.teacher import resolve_teacher
 from pydantic import ValidationError
 
 from orchestrator.batch import ScoredRollout, pack_batches
-from orchestrator.client import InferenceError, parse_prompt_logprobs
+from orchestrator.client import InferenceError, parse_prompt_logprobs, parse_prompt_top_k
 from orchestrator.sampler import with_system_prompt
 from orchestrator.teacher import Teacher, teacher_sequence
 from prime_rl.config import TeacherClientConfig
-from prime_rl.wire import teacher_array
+from prime_rl.wire import teacher_array, teacher_top_arrays
 
 def distill() -> dict:
     return {"trainer": {"loss": {"distill": {"reward_weight": 0.5}}}}  # fresh: validation fills it in place
@@ -63,6 +63,22 @@ def test_a_local_teacher_is_served_on_its_own_port_and_gpus(tmp_path):
     assert ("127.0.0.1", 8123) in {(b.host, b.port) for b in rl_bindings(cfg, placement)}
     with pytest.raises(PlacementError, match=r"needs 4 GPUs \(inference_gpus 2 \+ trainer_gpus 1 \+ teacher_gpus 1\)"):
         plan_single_node(cfg, gpus_available=3)
+
+
+def test_top_k_reaches_the_orchestrator_the_teachers_server_and_the_frame_cap(tmp_path):
+    from prime_rl.deployment import resolve_transport
+    from prime_rl.teacher import teacher_inference
+
+    plain = rl(teacher={"model": "t"}, seq_len=2048)
+    cfg = rl(teacher={"model": "t"}, seq_len=2048, trainer={"loss": {"distill": {"reward_weight": 0.5, "top_k": 64}}})
+    assert resolve_teacher(plain).orchestrator.teacher.top_k == 0 and teacher_inference(plain).max_logprobs == 20
+    assert resolve_teacher(cfg).orchestrator.teacher.top_k == 64 and teacher_inference(cfg).max_logprobs == 64
+    assert cfg.inference.max_logprobs == 20  # the policy's server is left as it is
+    # 128 samples (2 a rollout) of 2048 tokens: 3.4 MB alone (the 64 MiB floor), 138 MB with 64 tokens at each
+    assert resolve_transport(plain).orchestrator.transport.max_message_bytes == 64 * 2**20
+    assert resolve_transport(cfg).orchestrator.transport.max_message_bytes > 137_000_000
+    with pytest.raises(ValidationError, match="top_k"):
+        rl(teacher={"model": "t"}, trainer={"loss": {"distill": {"top_k": -1}}})
 
 
 def test_an_endpoint_teacher_is_looked_up_and_its_key_stays_a_variable_name(tmp_path):
@@ -119,8 +135,20 @@ class ScriptedTeacher:
         return answers
 
 
-def scored_teacher(items, seq_len=64):
-    teacher = Teacher(TeacherClientConfig(model="t"))
+    async def prompt_top_logprobs(self, prompts, k):
+        """As prompt_logprobs, with top-k ids 100 * position + j and logprobs -position - j."""
+        out = []
+        for ids, logprobs in zip(prompts, await self.prompt_logprobs(prompts)):
+            positions = np.arange(len(ids))[:, None]
+            top_ids = (100 * positions + np.arange(k)).astype(np.int32)
+            top_logprobs = (-positions - np.arange(k)).astype(np.float32)
+            top_ids[0], top_logprobs[0] = 0, 0
+            out.append((logprobs, top_ids, top_logprobs))
+        return out
+
+
+def scored_teacher(items, seq_len=64, top_k=0):
+    teacher = Teacher(TeacherClientConfig(model="t", top_k=top_k))
     asyncio.run(teacher.close())
     teacher.client = ScriptedTeacher()
     return asyncio.run(teacher.score(items, seq_len)), teacher.client.asked
@@ -152,7 +180,80 @@ def test_a_rollout_of_two_samples_gets_two_teacher_arrays_and_seq_len_cuts_them(
     np.testing.assert_allclose(second, [0, 0])  # the cut left no sampled token
 
 
+def test_with_top_k_every_sampled_token_gets_the_teachers_top_k_at_its_own_position():
+    plain = Rollout(0, [Turn([1, 2], [3, 4], [-0.5, -0.25])], 1.0)
+    context = Rollout(1, [Turn([1, 2], [3], [-0.125], teacher_prompt_ids=[7, 7, 1, 2])], 0.0)
+    (scored, _), _ = scored_teacher([ScoredRollout(plain, 0.5, 0), ScoredRollout(context, -0.5, 0)], top_k=2)
+    ((a_ids, a_lps),), ((b_ids, b_lps),) = (item.teacher_top for item in scored)
+    assert a_ids.tolist() == [[200, 201], [300, 301]] and a_lps.tolist() == [[-2, -3], [-3, -4]]  # positions 2, 3
+    assert b_ids.tolist() == [[400, 401]] and b_lps.tolist() == [[-4, -5]]  # student position 2 = teacher's 4
+    (batch,) = pack_batches(scored, step=0, num_ranks=1, micro_batch_size=8, temperature=1.0, seq_len=64)
+    first = batch.micro_batches[0].samples[0]
+    assert first.teacher_top_k == 2 and teacher_top_arrays(first)[0].tolist() == [[200, 201], [300, 301]]
+    (unasked, _), _ = scored_teacher([ScoredRollout(plain, 0.5, 0)])
+    assert unasked[0].teacher_top is None
+
+
+def test_top_k_rows_stop_where_seq_len_cuts_the_sample():
+    rollout = Rollout(0, [Turn([1], [2, 3, 4], [-0.1, -0.1, -0.1])], 1.0)
+    (scored, _), asked = scored_teacher([ScoredRollout(rollout, 1.0, 0)], seq_len=3, top_k=1)
+    assert asked == [[1, 2, 3]]
+    ((ids, _),) = scored[0].teacher_top
+    assert ids.tolist() == [[100], [200]]  # tokens 2 and 3; token 4 lies past the cut
+    (batch,) = pack_batches(scored, step=0, num_ranks=1, micro_batch_size=8, temperature=1.0, seq_len=3)
+    assert teacher_top_arrays(batch.micro_batches[0].samples[0])[0].shape == (2, 1)
+
+
 # --------------------------------------------------------------------------- vLLM's prompt logprobs
+
+
+def test_prompt_top_k_is_the_k_most_likely_of_each_position_whatever_the_prompt_token():
+    # position 1: the prompt's own token 5 ranks 3rd, outside the top 2 vLLM lists beside it
+    choice = {"prompt_logprobs": [None, {"5": {"logprob": -3.0, "rank": 3}, "9": {"logprob": -0.2, "rank": 1},
+                                         "4": {"logprob": -1.0, "rank": 2}},
+                                  {"7": {"logprob": -0.5, "rank": 1}, "2": {"logprob": -1.5, "rank": 2}}]}
+    ids, logprobs = parse_prompt_top_k(choice, [1, 5, 7], 2, "u")
+    assert ids.dtype == np.int32 and logprobs.dtype == np.float32
+    assert ids.tolist() == [[0, 0], [9, 4], [7, 2]]
+    np.testing.assert_allclose(logprobs, [[0, 0], [-0.2, -1.0], [-0.5, -1.5]])
+    with pytest.raises(InferenceError, match="^u: 2 of the 3 most likely tokens at prompt position 2$"):
+        parse_prompt_top_k(choice, [1, 5, 7], 3, "u")
+    with pytest.raises(InferenceError, match="no prompt logprobs for each of the 3 prompt tokens"):
+        parse_prompt_top_k({"prompt_logprobs": [None]}, [1, 5, 7], 2, "u")
+
+
+def test_a_teacher_that_cannot_return_k_tokens_is_refused_before_the_first_step():
+    from orchestrator.teacher import TeacherError
+
+    class Refusing(ScriptedTeacher):
+        base_url = "http://t"
+        config = TeacherClientConfig(model="t").client
+
+        async def wait_healthy(self, timeout):
+            pass
+
+        async def tokenize(self, text):
+            return [ord(c) for c in text], 512
+
+        async def prompt_top_logprobs(self, prompts, k):
+            raise InferenceError("POST http://t/v1/completions: 400 requested prompt logprobs of 30, more than max logprobs 20")
+
+    class Tokenizer:
+        def apply_chat_template(self, chat, tokenize=False):
+            raise ValueError("no template")
+
+        def encode(self, text, add_special_tokens=False):
+            return [ord(c) for c in text]
+
+    teacher = Teacher(TeacherClientConfig(model="t", top_k=30))
+    asyncio.run(teacher.close())
+    teacher.client, teacher.url = Refusing(), "http://t"
+    with pytest.raises(TeacherError, match=r"^teacher at http://t: cannot return its 30 most likely tokens a position "
+                                           r"\(trainer.loss.distill.top_k\): .*max logprobs 20; a vLLM server needs "
+                                           r"--max-logprobs >= 30 \(a local teacher gets it\)$"):
+        asyncio.run(teacher.check(Tokenizer(), 64))
+    teacher.top_k = 0
+    asyncio.run(teacher.check(Tokenizer(), 64))  # without top-k the same server serves
 
 
 def test_prompt_logprobs_are_read_by_token_id():

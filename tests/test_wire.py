@@ -1,5 +1,7 @@
 """Wire format: round trip and rejection of malformed, wrong-version or inconsistent frames."""
 
+import re
+
 import msgspec
 import numpy as np
 import pytest
@@ -16,6 +18,7 @@ from prime_rl.wire import (
     max_frame_bytes,
     sample_arrays,
     teacher_array,
+    teacher_top_arrays,
 )
 
 
@@ -189,3 +192,66 @@ def test_a_batch_with_teacher_logprobs_on_some_samples_only_is_rejected():
     frame = encode_batch(TrainBatch(SCHEMA_VERSION, 0, 0, 1.0, [MicroBatch([a, b])]))
     with pytest.raises(WireError, match="^1 of 2 samples carry teacher logprobs: all or none must$"):
         decode_batch(frame)
+
+
+# --------------------------------------------------------------------------- distillation: the teacher's top-k tokens
+
+
+def top_k_sample(k=2, rows=2):
+    """3 tokens, the last 2 sampled; the teacher's top-k at each: ids [[5, 6], [7, 8]]-like."""
+    ids = np.arange(5, 5 + rows * k).reshape(rows, k)
+    logprobs = -np.arange(1, 1 + rows * k, dtype=np.float32).reshape(rows, k) / 4
+    return make_sample([1, 2, 3], [0, 1, 1], [0.0, -0.5, -1.0], advantage=0.5, reward=1.0, policy_version=0,
+                       example_id=0, teacher_logprobs=[0.0, -0.25, -2.0], teacher_top=(ids, logprobs))
+
+
+def test_teacher_top_k_round_trips_one_row_per_sampled_token():
+    original = top_k_sample()
+    decoded = decode_batch(frame_with([MicroBatch([original])]), vocab_size=16).micro_batches[0].samples[0]
+    assert decoded == original and decoded.teacher_top_k == 2
+    ids, logprobs = teacher_top_arrays(decoded)
+    assert ids.tolist() == [[5, 6], [7, 8]] and logprobs.tolist() == [[-0.25, -0.5], [-0.75, -1.0]]
+    assert teacher_top_arrays(teacher_sample()) is None  # asked for no top-k
+    with pytest.raises(WireError, match=r"teacher top-k arrays \(3, 2\) / \(3, 2\) do not match 2 sampled tokens"):
+        top_k_sample(rows=3)
+
+
+@pytest.mark.parametrize(
+    "change, error",
+    [
+        (dict(teacher_top_k=3), "teacher top-k buffers of 4 ids and 4 logprobs for 2 sampled tokens x k 3"),
+        (dict(teacher_top_logprobs=None), "teacher top-k needs teacher_top_k >= 1 and both buffers, got k 2"),
+        (dict(teacher_top_k=0), "teacher top-k needs teacher_top_k >= 1 and both buffers, got k 0"),
+        (dict(teacher_logprobs=None), "teacher top-k tokens without the teacher's logprobs"),
+        (dict(teacher_top_logprobs=np.array([-1, 0.5, -1, -1], dtype="<f4").tobytes()),
+         "teacher top-k logprobs must be finite and not positive"),
+        (dict(teacher_top_logprobs=np.array([-1, np.nan, -1, -1], dtype="<f4").tobytes()),
+         "teacher top-k logprobs must be finite and not positive"),
+    ],
+    ids=["k", "one-buffer", "no-k", "no-teacher-logprobs", "positive", "nan"],
+)
+def test_bad_teacher_top_k_is_rejected_naming_the_sample(change, error):
+    bad = msgspec.structs.replace(top_k_sample(), **change)
+    with pytest.raises(WireError, match=rf"micro_batches\[0\].samples\[1\]: {re.escape(error)}"):
+        decode_batch(frame_with([MicroBatch([top_k_sample(), bad])]))
+
+
+def test_teacher_top_k_ids_outside_the_embedding_are_rejected():
+    with pytest.raises(WireError, match=r"samples\[0\]: token id 8 out of range \(the model's embedding has 8 rows\)"):
+        decode_batch(frame_with([MicroBatch([top_k_sample()])]), vocab_size=8)
+
+
+def test_one_top_k_a_batch():
+    frame = frame_with([MicroBatch([top_k_sample(k=2), top_k_sample(k=1)])])
+    with pytest.raises(WireError, match=r"different k \(\[1, 2\]\)"):
+        decode_batch(frame)
+
+
+def test_max_frame_bytes_bounds_a_full_frame_with_the_teachers_top_k():
+    seq_len, n, k = 32, 6, 20
+    ids, logprobs = np.zeros((seq_len, k), np.int32), -np.ones((seq_len, k), np.float32)
+    samples = [make_sample(np.arange(seq_len), np.ones(seq_len), -np.ones(seq_len), advantage=-1.5, reward=0.25,
+                           policy_version=2, example_id=2, teacher_logprobs=-np.ones(seq_len), teacher_top=(ids, logprobs))
+               for _ in range(n)]
+    frame = encode_batch(TrainBatch(SCHEMA_VERSION, 2, 0, 0.7, [MicroBatch(samples)]))
+    assert max_frame_bytes(n, seq_len) < len(frame) <= max_frame_bytes(n, seq_len, k) < 2 * len(frame)

@@ -49,6 +49,7 @@ def vllm_command(cfg: InferenceConfig, cpu: bool) -> list[str]:
     if cfg.served_model_name:
         cmd += ["--served-model-name", cfg.served_model_name]
     cmd += ["--dtype", cfg.dtype, "--max-model-len", str(cfg.seq_len), "--max-num-seqs", str(cfg.max_num_seqs)]
+    cmd += ["--max-logprobs", str(cfg.max_logprobs)]
     cmd += ["--logprobs-mode", "processed_logprobs", "--disable-uvicorn-access-log"]
     # vLLM's own defaults (the full softmax), not the model folder's generation_config.json:
     # requests pin these fields too (orchestrator.client.FULL_DISTRIBUTION); docs/sampling.md

@@ -52,6 +52,10 @@ class ScoredRollout:
     rollout (``sample_turns``), aligned with its tokens cut at ``seq_len`` (0 off the
     sampled tokens); None = no teacher."""
 
+    teacher_top: tuple[tuple[np.ndarray, np.ndarray], ...] | None = None
+    """Distillation with `top_k`: per sample, the teacher's K most likely tokens (ids int32,
+    logprobs float32, both [N, K]) at each of its N sampled tokens cut at ``seq_len``; None = not asked."""
+
 
 def rollout_tokens(rollout: Rollout, turns: list[Turn] | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(input_ids int32 [T], loss_mask uint8 [T], inference_logprobs float32 [T]) of the
@@ -77,9 +81,10 @@ def to_samples(scored: ScoredRollout, seq_len: int, per_turn: bool = False) -> l
     with ``per_turn``."""
     splits = sample_turns(scored.rollout, per_turn)
     teacher = scored.teacher_logprobs or (None,) * len(splits)
-    if len(teacher) != len(splits):
+    top = scored.teacher_top or (None,) * len(splits)
+    if not len(teacher) == len(top) == len(splits):
         raise ValueError(f"example {scored.rollout.example_id}: {len(teacher)} teacher arrays for {len(splits)} samples")
-    return [to_sample(scored, seq_len, turns, t) for turns, t in zip(splits, teacher)]
+    return [to_sample(scored, seq_len, turns, t, k) for turns, t, k in zip(splits, teacher, top)]
 
 
 def sample_turns(rollout: Rollout, per_turn: bool = False) -> list[list[Turn]]:
@@ -94,7 +99,8 @@ def sample_turns(rollout: Rollout, per_turn: bool = False) -> list[list[Turn]]:
 
 
 def to_sample(
-    scored: ScoredRollout, seq_len: int, turns: list[Turn] | None = None, teacher_logprobs: np.ndarray | None = None
+    scored: ScoredRollout, seq_len: int, turns: list[Turn] | None = None, teacher_logprobs: np.ndarray | None = None,
+    teacher_top: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> Sample:
     ids, mask, logprobs = rollout_tokens(scored.rollout, turns)
     if min(len(ids), seq_len) < 2:  # the trainer predicts token t+1 from t: one token teaches nothing
@@ -109,6 +115,7 @@ def to_sample(
         example_id=scored.rollout.example_id,
         last_policy_version=scored.last_policy_version,
         teacher_logprobs=teacher_logprobs,
+        teacher_top=teacher_top,
     )
 
 

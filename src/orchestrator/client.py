@@ -218,14 +218,29 @@ class InferenceClient:
         0 (nothing to condition on): one request, one prefill per prompt of the exact ids,
         nothing re-tokenized. Raises InferenceError when the server returns none (not a
         vLLM completions API)."""
-        body = {"model": self.model_name, "prompt": [list(p) for p in prompts], "max_tokens": 1, "prompt_logprobs": 0}
+        choices, url = await self._prompt_choices(prompts, 0)
+        return [parse_prompt_logprobs(choice, prompt, url) for choice, prompt in zip(choices, prompts)]
+
+    async def prompt_top_logprobs(self, prompts: list[list[int]], k: int) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """As ``prompt_logprobs``, with the model's ``k`` most likely tokens at every position:
+        for each prompt (logprobs float32 [T], top ids int32 [T, k], their logprobs float32
+        [T, k], most likely first; row 0 zeros). The server must allow k (vLLM `--max-logprobs`)."""
+        choices, url = await self._prompt_choices(prompts, k)
+        out = []
+        for choice, prompt in zip(choices, prompts):
+            out.append((parse_prompt_logprobs(choice, prompt, url), *parse_prompt_top_k(choice, prompt, k, url)))
+        return out
+
+    async def _prompt_choices(self, prompts: list[list[int]], k: int) -> tuple[list[Any], str]:
+        """The completion choices of one request scoring ``prompts`` with ``prompt_logprobs = k``, and the URL asked."""
+        body = {"model": self.model_name, "prompt": [list(p) for p in prompts], "max_tokens": 1, "prompt_logprobs": k}
         async with self._generation() as replica:
             response = await self._post(replica, "/v1/completions", json=body)
         payload = response.json()
         choices = payload.get("choices") if isinstance(payload, dict) else None
         if not isinstance(choices, list) or len(choices) != len(prompts):
             raise InferenceError(f"{replica.url}: sent {len(prompts)} prompts, got {len(choices or [])} choices back")
-        return [parse_prompt_logprobs(choice, prompt, replica.url) for choice, prompt in zip(choices, prompts)]
+        return choices, replica.url
 
     async def tokenize(self, text: str) -> tuple[list[int], int | None]:
         """(token ids of ``text`` without special tokens added, the server's max_model_len) by
@@ -641,6 +656,29 @@ def parse_prompt_logprobs(choice: Any, token_ids: list[int], url: str) -> np.nda
             raise InferenceError(f"{url}: no finite prompt logprob for token {token_ids[i]} at position {i}")
         out[i] = logprob
     return out
+
+
+def parse_prompt_top_k(choice: Any, token_ids: list[int], k: int, url: str) -> tuple[np.ndarray, np.ndarray]:
+    """(ids int32 [T, k], logprobs float32 [T, k]): the k most likely tokens at each position i > 0
+    of a choice answered with ``prompt_logprobs = k``, most likely first (vLLM lists them beside
+    the prompt's own token, which may rank lower); row 0 zeros."""
+    entries = choice.get("prompt_logprobs") if isinstance(choice, dict) else None
+    if not isinstance(entries, list) or len(entries) != len(token_ids):
+        raise InferenceError(f"{url}: no prompt logprobs for each of the {len(token_ids)} prompt tokens")
+    ids, logprobs = np.zeros((len(token_ids), k), np.int32), np.zeros((len(token_ids), k), np.float32)
+    for i in range(1, len(token_ids)):
+        entry = entries[i] if isinstance(entries[i], dict) else {}
+        ranked = []
+        for key, scored in entry.items():
+            logprob = scored.get("logprob") if isinstance(scored, dict) else None
+            if isinstance(logprob, int | float) and math.isfinite(logprob) and str(key).lstrip("-").isdigit():
+                ranked.append((-float(logprob), int(key)))
+        if len(ranked) < k:
+            raise InferenceError(f"{url}: {len(ranked)} of the {k} most likely tokens at prompt position {i}")
+        ranked.sort()
+        ids[i] = [token for _, token in ranked[:k]]
+        logprobs[i] = [-negative for negative, _ in ranked[:k]]
+    return ids, logprobs
 
 
 def parse_completion_choices(

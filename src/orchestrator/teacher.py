@@ -7,11 +7,13 @@ teacher's weights, with nothing re-tokenized. With context distillation the samp
 prompt is swapped for the teacher's rendering of the same conversation with its own system
 prompt (``Turn.teacher_prompt_ids``); the completion and everything after it are the same
 tokens, shifted. The trainer turns the gap into each token's advantage
-(``trainer.loss.distill_advantages``).
+(``trainer.loss.distill_advantages``). With ``top_k`` the teacher also returns its K most
+likely tokens at every sampled position, for the trainer's top-k reverse KL
+(``trainer.loss.top_k_reverse_kl``).
 
 Before the first step, ``check`` refuses in one line a teacher that does not answer, one
-whose tokenizer differs from the student's, one whose context is shorter than a sample and
-one that returns no prompt logprobs.
+whose tokenizer differs from the student's, one whose context is shorter than a sample, one
+that returns no prompt logprobs and, with ``top_k``, one that cannot return K tokens a position.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ class Teacher:
         # an endpoint's key goes with every request; a local teacher proves it holds the run's key first
         self.client = InferenceClient(client, cfg.model, own_server=cfg.api_key_env is None)
         self.url = self.client.base_url
+        self.top_k = cfg.top_k
 
     async def close(self) -> None:
         await self.client.close()
@@ -82,6 +85,15 @@ class Teacher:
             await self.client.prompt_logprobs([ours[:32]])
         except InferenceError as e:
             raise TeacherError(f"teacher at {self.url}: {e}") from None
+        if self.top_k:
+            try:
+                await self.client.prompt_top_logprobs([ours[:32]], self.top_k)
+            except InferenceError as e:
+                raise TeacherError(
+                    f"teacher at {self.url}: cannot return its {self.top_k} most likely tokens a position "
+                    f"(trainer.loss.distill.top_k): {e}; a vLLM server needs --max-logprobs >= {self.top_k} "
+                    "(a local teacher gets it)"
+                ) from None
 
     async def score(
         self, items: list[ScoredRollout], seq_len: int, per_turn: bool = False
@@ -93,20 +105,44 @@ class Teacher:
         splits = [sample_turns(item.rollout, per_turn) for item in items]
         samples = [prepare(item.rollout, turns, seq_len) for item, turns_of in zip(items, splits) for turns in turns_of]
         chunks = [samples[i : i + PROMPTS_PER_REQUEST] for i in range(0, len(samples), PROMPTS_PER_REQUEST)]
-        answers = await asyncio.gather(*(self.client.prompt_logprobs([s.sequence for s in chunk]) for chunk in chunks))
-        scored = [sample.aligned(teacher) for chunk, got in zip(chunks, answers) for sample, teacher in zip(chunk, got)]
+        answers = await asyncio.gather(*(self.ask([s.sequence for s in chunk]) for chunk in chunks))
+        scored = [sample.aligned(*teacher) for chunk, got in zip(chunks, answers) for sample, teacher in zip(chunk, got)]
         elapsed = time.perf_counter() - start
         out, at = [], 0
         for item, turns_of in zip(items, splits):
-            out.append(dataclasses.replace(item, teacher_logprobs=tuple(t for t, _ in scored[at : at + len(turns_of)])))
+            mine = scored[at : at + len(turns_of)]
+            top = tuple(t.top for t in mine) if self.top_k else None
+            out.append(dataclasses.replace(item, teacher_logprobs=tuple(t.logprobs for t in mine), teacher_top=top))
             at += len(turns_of)
-        gap = np.concatenate([g for _, g in scored]) if scored else np.zeros(0)
+        gap = np.concatenate([t.gap for t in scored]) if scored else np.zeros(0)
         tokens = sum(len(s.sequence) for s in samples)
         return out, {
             "distill/reverse_kl": float(gap.mean()) if len(gap) else 0.0,
             "distill/teacher_s": elapsed,
             "distill/teacher_tokens_per_s": tokens / max(elapsed, 1e-9),
         }
+
+
+    async def ask(self, sequences: list[list[int]]) -> list[tuple[np.ndarray, ...]]:
+        """The teacher's answer for each sequence: (logprobs [T],) or, with top_k, (logprobs [T],
+        top ids [T, K], top logprobs [T, K])."""
+        if self.top_k:
+            return await self.client.prompt_top_logprobs(sequences, self.top_k)
+        return [(logprobs,) for logprobs in await self.client.prompt_logprobs(sequences)]
+
+
+@dataclass(frozen=True)
+class Scored:
+    """The teacher's scores of one sample, at the student's positions."""
+
+    logprobs: np.ndarray
+    """float32 [T]: the teacher's logprob of each sampled token, 0 elsewhere."""
+
+    gap: np.ndarray
+    """float32 [N]: log p_student - log p_teacher of each of the N sampled tokens."""
+
+    top: tuple[np.ndarray, np.ndarray] | None
+    """(ids int32 [N, K], logprobs float32 [N, K]): the teacher's top-k at each sampled token; None without top_k."""
 
 
 @dataclass(frozen=True)
@@ -125,14 +161,14 @@ class ToScore:
     student: np.ndarray
     """The student's sampling logprobs, float32 [T]."""
 
-    def aligned(self, teacher: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(the teacher's logprob of each student token, 0 off the sampled ones, float32 [T];
-        log p_student - log p_teacher of each sampled token) from the teacher's logprobs of
-        ``sequence``."""
+    def aligned(self, teacher: np.ndarray, top_ids: np.ndarray | None = None, top_logprobs: np.ndarray | None = None) -> Scored:
+        """The teacher's scores at the student's positions, from its answer for ``sequence``:
+        its logprobs [len(sequence)] and, with top_k, its top ids and logprobs [len(sequence), K]."""
         where = np.flatnonzero(self.mask)
         out = np.zeros(len(self.mask), dtype=np.float32)
         out[where] = teacher[where + self.offset]
-        return out, self.student[where] - out[where]
+        top = None if top_ids is None else (top_ids[where + self.offset], top_logprobs[where + self.offset])
+        return Scored(out, self.student[where] - out[where], top)
 
 
 def prepare(rollout: Rollout, turns: list[Turn], seq_len: int) -> ToScore:

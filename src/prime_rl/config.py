@@ -366,6 +366,10 @@ class OptimConfig(StrictModel):
     """Linear learning-rate warm-up steps."""
 
 
+MAX_TEACHER_TOP_K = 1024
+"""Most tokens a teacher returns a position (`trainer.loss.distill.top_k`): 1024 x 8 bytes a sampled token on the wire."""
+
+
 class DistillConfig(StrictModel):
     """On-policy distillation (`[trainer.loss.distill]`, with a `[teacher]`): the teacher scores
     every token the student sampled, and each sampled token's advantage becomes
@@ -379,6 +383,9 @@ class DistillConfig(StrictModel):
 
     kl_weight: float = Field(1.0, ge=0)
     """Weight of the per-token reverse KL to the teacher."""
+
+    top_k: int = Field(0, ge=0, le=MAX_TEACHER_TOP_K)
+    """0 = the KL term is the one-sample estimate above, in each sampled token's advantage. K > 0 = the teacher also returns its K most likely tokens at every sampled position, and the KL term is each position's reverse KL(student || teacher) over those K tokens plus one bucket for the rest of the vocabulary, computed from the student's whole distribution and added to the loss as `kl_weight` x its mean over the loss tokens (no sampling noise; exact when K covers the vocabulary; docs/distillation.md). A local teacher is served with vLLM `--max-logprobs` >= K; an endpoint must allow K."""
 
     @model_validator(mode="after")
     def _some_signal(self) -> DistillConfig:
@@ -629,6 +636,9 @@ class TeacherClientConfig(StrictModel):
     this system message (replacing the conversation's own, or put first); None = the
     student's exact prompt."""
 
+    top_k: int = Field(0, ge=0, le=MAX_TEACHER_TOP_K)
+    """The teacher's K most likely tokens at every sampled position also go to the trainer (`trainer.loss.distill.top_k`); 0 = only the sampled token's logprob."""
+
 
 class OrchestratorConfig(StrictModel):
     model: str = "Qwen/Qwen3-0.6B"
@@ -760,6 +770,9 @@ class InferenceConfig(StrictModel):
     max_num_seqs: int = Field(256, ge=1)
     """Most sequences batched at once. 256 holds a whole quickstart step (32 prompts x 8),
     which on CPU takes ~0.7 s instead of 1.0-1.5 s in waves of 64 (docs/machine_facts.md)."""
+
+    max_logprobs: int = Field(20, ge=0)
+    """Most logprobs a request may ask for a position (vLLM `--max-logprobs`); a distillation teacher gets `trainer.loss.distill.top_k` when that is larger."""
 
     enforce_eager: bool = True
     """Skip graph capture (faster start; the right choice on CPU)."""

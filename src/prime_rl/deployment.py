@@ -262,7 +262,8 @@ def resolve_transport(config: RLConfig) -> RLConfig:
       port on 127.0.0.1 and take batches. The configs holding them are written 0600
       (``write_config``) and logged redacted (``prime_rl.keys``).
     - ``max_message_bytes``, unless set: every sample of a step at ``seq_len`` tokens (one rank
-      may get them all), at least the wire's default.
+      may get them all; with the teacher's top-k tokens at each, when the loss asks for them),
+      at least the wire's default.
 
     The top-level `[transport]` is cleared: it was copied into both sections at validation and
     would conflict with their keys when RUN/slurm/rl.json is read back."""
@@ -275,7 +276,10 @@ def resolve_transport(config: RLConfig) -> RLConfig:
     elif not transport_keys_match(orchestrator, trainer):
         raise PlacementError("transport: the trainer's and the orchestrator's CURVE keys are not one pair; drop them all to get fresh ones")
     per_rollout = PER_TURN_SAMPLES if config.orchestrator.multi_turn == "per_turn" else 2
-    cap = max(DEFAULT_MAX_FRAME_BYTES, max_frame_bytes(config.orchestrator.batch_size * per_rollout, config.orchestrator.seq_len))
+    distill = config.trainer.loss.distill
+    top_k = distill.top_k if distill is not None else 0
+    samples = config.orchestrator.batch_size * per_rollout
+    cap = max(DEFAULT_MAX_FRAME_BYTES, max_frame_bytes(samples, config.orchestrator.seq_len, top_k))
     orchestrator, trainer = (t if t.max_message_bytes else t.model_copy(update={"max_message_bytes": cap}) for t in (orchestrator, trainer))
     if (orchestrator, trainer, None) == (config.orchestrator.transport, config.trainer.transport, config.transport):
         return config

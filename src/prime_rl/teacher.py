@@ -26,9 +26,11 @@ def resolve_teacher(config: RLConfig) -> RLConfig:
     if teacher is None or config.orchestrator.teacher is not None:
         return config
     config = config.model_copy(deep=True)
+    distill = config.trainer.loss.distill
     config.orchestrator.teacher = TeacherClientConfig(
         **served_teacher(config, teacher),
         system_prompt=teacher_system_prompt(teacher),
+        top_k=distill.top_k if distill is not None else 0,
     )
     return config
 
@@ -69,15 +71,19 @@ def teacher_system_prompt(teacher: TeacherConfig) -> str | None:
 
 def teacher_inference(config: RLConfig) -> InferenceConfig:
     """The local teacher's vLLM server: the run's inference settings (dtype, host, key, CPU
-    binding) with the teacher's model, port, context and batch; no LoRA, no tool parser."""
+    binding) with the teacher's model, port, context and batch, and room for the top-k
+    logprobs the loss asks for; no LoRA, no tool parser."""
     teacher = config.teacher
     assert teacher is not None and teacher.model is not None
     seq_len = teacher.seq_len
     if seq_len is None:
         room = teacher.prompt_room if (teacher.system_prompt or teacher.system_prompt_file) else 0
         seq_len = config.inference.seq_len + 1 + room
+    distill = config.trainer.loss.distill
+    top_k = distill.top_k if distill is not None else 0
     return config.inference.model_copy(update={
         "model": teacher.model, "served_model_name": None, "port": teacher.port, "seq_len": seq_len,
+        "max_logprobs": max(config.inference.max_logprobs, top_k),
         "max_num_seqs": teacher.max_num_seqs, "kv_cache_gb": teacher.kv_cache_gb, "max_lora_rank": None,
         "lora_modules": {}, "tool_call_parser": None, "attach": None,
     })

@@ -24,6 +24,8 @@ SCHEMA_VERSION = 1
 
 BYTES_PER_TOKEN = 4 + 1 + 4 + 4
 """int32 id + uint8 mask + float32 logprob + float32 teacher logprob (distillation)."""
+BYTES_PER_TOP_K = 4 + 4
+"""int32 id + float32 logprob of one of the teacher's top-k tokens at one sampled position."""
 BYTES_PER_SAMPLE = 256
 """msgpack overhead of one sample beyond its buffers (field names, scalars; 114 bytes measured), with room."""
 
@@ -69,6 +71,16 @@ class Sample(msgspec.Struct, frozen=True):
     """float32 [T]: logprob of each sampled token under the distillation teacher (0 where
     loss_mask is 0); None = no teacher (RL only)."""
 
+    teacher_top_k: int = 0
+    """K of ``teacher_top_ids`` / ``teacher_top_logprobs`` (`trainer.loss.distill.top_k`); 0 = none."""
+
+    teacher_top_ids: bytes | None = None
+    """int32 [N, K], N = the sample's loss-mask tokens in order: the teacher's K most likely
+    tokens at the position that sampled each of them, most likely first."""
+
+    teacher_top_logprobs: bytes | None = None
+    """float32 [N, K]: the teacher's logprobs of ``teacher_top_ids``."""
+
 
 class MicroBatch(msgspec.Struct, frozen=True):
     samples: list[Sample]
@@ -98,7 +110,9 @@ def make_sample(
     example_id: int,
     last_policy_version: int | None = None,
     teacher_logprobs: list[float] | np.ndarray | None = None,
+    teacher_top: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> Sample:
+    """``teacher_top``: (ids, logprobs), both [N, K], N = the loss-mask tokens (see ``Sample``)."""
     ids = np.asarray(input_ids, dtype="<i4")
     mask = np.asarray(loss_mask, dtype=np.uint8)
     logprobs = np.asarray(inference_logprobs, dtype="<f4")
@@ -107,6 +121,12 @@ def make_sample(
     teacher = None if teacher_logprobs is None else np.asarray(teacher_logprobs, dtype="<f4")
     if teacher is not None and len(teacher) != len(ids):
         raise WireError(f"sample buffers differ in length: ids {len(ids)}, teacher logprobs {len(teacher)}")
+    top_ids = top_logprobs = None
+    if teacher_top is not None:
+        top_ids, top_logprobs = np.asarray(teacher_top[0], dtype="<i4"), np.asarray(teacher_top[1], dtype="<f4")
+        rows = int(np.count_nonzero(mask))
+        if top_ids.ndim != 2 or top_ids.shape != top_logprobs.shape or top_ids.shape[0] != rows or top_ids.shape[1] < 1:
+            raise WireError(f"teacher top-k arrays {top_ids.shape} / {top_logprobs.shape} do not match {rows} sampled tokens")
     return Sample(
         input_ids=ids.tobytes(),
         loss_mask=mask.tobytes(),
@@ -117,12 +137,25 @@ def make_sample(
         example_id=int(example_id),
         last_policy_version=int(policy_version if last_policy_version is None else last_policy_version),
         teacher_logprobs=None if teacher is None else teacher.tobytes(),
+        teacher_top_k=0 if top_ids is None else int(top_ids.shape[1]),
+        teacher_top_ids=None if top_ids is None else top_ids.tobytes(),
+        teacher_top_logprobs=None if top_logprobs is None else top_logprobs.tobytes(),
     )
 
 
 def teacher_array(sample: Sample) -> np.ndarray | None:
     """float32 [T] teacher logprobs of a sample, or None when it has none."""
     return None if sample.teacher_logprobs is None else np.frombuffer(sample.teacher_logprobs, dtype="<f4")
+
+
+def teacher_top_arrays(sample: Sample) -> tuple[np.ndarray, np.ndarray] | None:
+    """(ids int32 [N, K], logprobs float32 [N, K]) of the teacher's top-k tokens at the sample's
+    N loss-mask tokens, or None when it carries none."""
+    if sample.teacher_top_ids is None or sample.teacher_top_logprobs is None or sample.teacher_top_k < 1:
+        return None
+    k = sample.teacher_top_k
+    return (np.frombuffer(sample.teacher_top_ids, dtype="<i4").reshape(-1, k),
+            np.frombuffer(sample.teacher_top_logprobs, dtype="<f4").reshape(-1, k))
 
 
 def sample_arrays(sample: Sample) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -144,9 +177,10 @@ def encode_batch(batch: TrainBatch) -> bytes:
     return _encoder.encode(batch)
 
 
-def max_frame_bytes(samples: int, seq_len: int) -> int:
-    """Size of a frame holding ``samples`` samples of ``seq_len`` tokens each (an upper bound)."""
-    return samples * (seq_len * BYTES_PER_TOKEN + BYTES_PER_SAMPLE) + 4096
+def max_frame_bytes(samples: int, seq_len: int, top_k: int = 0) -> int:
+    """Size of a frame holding ``samples`` samples of ``seq_len`` tokens each, with the teacher's
+    ``top_k`` tokens at every one (an upper bound)."""
+    return samples * (seq_len * (BYTES_PER_TOKEN + top_k * BYTES_PER_TOP_K) + BYTES_PER_SAMPLE) + 4096
 
 
 def decode_batch(
@@ -189,6 +223,9 @@ def decode_batch(
     with_teacher = sum(sample.teacher_logprobs is not None for _, sample in samples)
     if 0 < with_teacher < len(samples):
         raise WireError(f"{with_teacher} of {len(samples)} samples carry teacher logprobs: all or none must")
+    top_ks = sorted({sample.teacher_top_k for _, sample in samples})
+    if len(top_ks) > 1:
+        raise WireError(f"samples carry the teacher's top-k tokens with different k ({top_ks}): one k a batch")
     _validate_values(samples, vocab_size)
     return batch
 
@@ -210,6 +247,8 @@ def _validate_sample(sample: Sample, where: str) -> None:
         teacher = np.frombuffer(sample.teacher_logprobs, dtype="<f4")
         if not np.isfinite(teacher).all() or teacher.max() > LOGPROB_SLACK:
             raise WireError(f"{where}: teacher logprobs must be finite and not positive")
+    if sample.teacher_top_k or sample.teacher_top_ids is not None or sample.teacher_top_logprobs is not None:
+        _validate_teacher_top(sample, int(np.count_nonzero(np.frombuffer(sample.loss_mask, dtype=np.uint8))), where)
     if not (math.isfinite(sample.advantage) and math.isfinite(sample.reward)):
         raise WireError(f"{where}: advantage and reward must be finite")
     if sample.last_policy_version is not None and sample.last_policy_version < sample.policy_version:
@@ -218,16 +257,33 @@ def _validate_sample(sample: Sample, where: str) -> None:
         )
 
 
+def _validate_teacher_top(sample: Sample, rows: int, where: str) -> None:
+    """The top-k buffers hold K ids and K logprobs for each of the ``rows`` sampled tokens."""
+    k = sample.teacher_top_k
+    if k < 1 or sample.teacher_top_ids is None or sample.teacher_top_logprobs is None:
+        raise WireError(f"{where}: teacher top-k needs teacher_top_k >= 1 and both buffers, got k {k}")
+    if sample.teacher_logprobs is None:
+        raise WireError(f"{where}: teacher top-k tokens without the teacher's logprobs")
+    if len(sample.teacher_top_ids) != 4 * rows * k or len(sample.teacher_top_logprobs) != 4 * rows * k:
+        raise WireError(
+            f"{where}: teacher top-k buffers of {len(sample.teacher_top_ids) // 4} ids and "
+            f"{len(sample.teacher_top_logprobs) // 4} logprobs for {rows} sampled tokens x k {k}"
+        )
+    logprobs = np.frombuffer(sample.teacher_top_logprobs, dtype="<f4")
+    if len(logprobs) and (not np.isfinite(logprobs).all() or logprobs.max() > LOGPROB_SLACK):
+        raise WireError(f"{where}: teacher top-k logprobs must be finite and not positive")
+
+
 def _validate_values(samples: list[tuple[str, Sample]], vocab_size: int | None) -> None:
     """Token ids and logprobs of the whole batch at once: one numpy pass over the joined
     buffers (a pass per sample costs more than the decode); only a failure looks for the
     sample to name."""
-    ids = np.frombuffer(b"".join(s.input_ids for _, s in samples), dtype="<i4")
+    ids = np.frombuffer(b"".join(s.input_ids + (s.teacher_top_ids or b"") for _, s in samples), dtype="<i4")
     logprobs = np.frombuffer(b"".join(s.inference_logprobs for _, s in samples), dtype="<f4")
     high = np.iinfo(np.int32).max if vocab_size is None else vocab_size - 1
     if ids.min() < 0 or ids.max() > high:
         for where, sample in samples:
-            bad = np.frombuffer(sample.input_ids, dtype="<i4")
+            bad = np.frombuffer(sample.input_ids + (sample.teacher_top_ids or b""), dtype="<i4")
             bad = bad[(bad < 0) | (bad > high)]
             if len(bad):
                 vocab = "" if vocab_size is None else f" (the model's embedding has {vocab_size} rows)"

@@ -22,7 +22,9 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from prime_rl.config import TransportConfig
-from prime_rl.wire import DEFAULT_MAX_FRAME_BYTES, MicroBatch, TrainBatch, WireError, decode_batch, sample_arrays, teacher_array
+from prime_rl.wire import (
+    DEFAULT_MAX_FRAME_BYTES, MicroBatch, TrainBatch, WireError, decode_batch, sample_arrays, teacher_array, teacher_top_arrays,
+)
 from trainer.packing import Layout, attention_allowed, lay_out, plan_blocks, plan_rows, row_budget, varlen_boundaries
 
 
@@ -172,6 +174,9 @@ class MicroTensors:
     cu_seqlens: torch.Tensor | None = None  # [S + 1] int32 block boundaries of the varlen row
     max_seqlen: int = 0  # longest block of the varlen row
     teacher_logprobs: torch.Tensor | None = None  # [B, T] float32 like inference_logprobs; None = no teacher
+    # The teacher's top-k at the N loss tokens (loss_mask[:, 1:] row-major): ids int64 / logprobs float32 [N, K]
+    teacher_top_ids: torch.Tensor | None = None
+    teacher_top_logprobs: torch.Tensor | None = None
 
     @property
     def num_real_tokens(self) -> int:
@@ -197,6 +202,7 @@ def collate(
     arrays = [sample_arrays(s) for s in micro.samples]
     ids, masks, logprobs = ([a[i][:seq_len] for a in arrays] for i in range(3))
     teacher = teacher_rows(micro, seq_len)
+    top = teacher_top_rows(micro, masks)
     varlen = varlen and pack
     blocks = plan_blocks(ids, masks, share_prefix and not varlen)
     sizes = [b.length([len(x) for x in ids]) for b in blocks]
@@ -221,7 +227,27 @@ def collate(
         cu_seqlens=None if boundaries is None else tensor(boundaries),
         max_seqlen=0 if boundaries is None else int(np.diff(boundaries).max()),
         teacher_logprobs=None if teacher is None else tensor(right_pad(teacher, 0.0, np.float32)),
+        teacher_top_ids=None if top is None else tensor(top[0].astype(np.int64)),
+        teacher_top_logprobs=None if top is None else tensor(top[1]),
     )
+
+
+def teacher_top_rows(micro: MicroBatch, masks: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray] | None:
+    """The teacher's top-k (ids int32, logprobs float32, [N, K]) at the micro-batch's N loss
+    tokens, in the order the loss visits them (sample by sample, position by position), or
+    None when no sample carries them. ``masks``: each sample's loss mask cut at seq_len; a
+    sample's rows past the cut, and the row of a token at position 0 (which nothing
+    predicts), are dropped."""
+    tops = all_or_none([teacher_top_arrays(s) for s in micro.samples], "the teacher's top-k")
+    if tops is None:
+        return None
+    ids, logprobs = [], []
+    for (top_ids, top_logprobs), mask in zip(tops, masks):
+        first = 1 if len(mask) and mask[0] else 0
+        rows = slice(first, int(mask.sum()))
+        ids.append(top_ids[rows])
+        logprobs.append(top_logprobs[rows])
+    return np.concatenate(ids), np.concatenate(logprobs)
 
 
 def teacher_rows(micro: MicroBatch, seq_len: int) -> list[np.ndarray] | None:
@@ -229,13 +255,19 @@ def teacher_rows(micro: MicroBatch, seq_len: int) -> list[np.ndarray] | None:
 
     A micro-batch is one loss: its samples are all distilled or none is, so a mix means the
     orchestrator lost some teacher scores and is refused rather than trained half-way."""
-    rows = [teacher_array(s) for s in micro.samples]
-    have = sum(r is not None for r in rows)
+    rows = all_or_none([teacher_array(s) for s in micro.samples], "teacher logprobs")
+    return None if rows is None else [r[:seq_len] for r in rows]
+
+
+def all_or_none(values: list, what: str) -> list | None:
+    """``values`` when every sample of a micro-batch carries ``what``, None when none does; a
+    micro-batch is one loss, so a mix means the orchestrator lost some and is refused."""
+    have = sum(v is not None for v in values)
     if have == 0:
         return None
-    if have < len(rows):
-        raise ValueError(f"a micro-batch mixes samples with and without teacher logprobs ({have} of {len(rows)} have them)")
-    return [r[:seq_len] for r in rows]
+    if have < len(values):
+        raise ValueError(f"a micro-batch mixes samples with and without {what} ({have} of {len(values)} have them)")
+    return values
 
 
 def model_mask(layout: Layout) -> np.ndarray:

@@ -172,6 +172,40 @@ def distill_advantages(
     return torch.where(loss_mask, per_token, torch.zeros_like(per_token)).float().detach()
 
 
+def top_k_reverse_kl(scoring: torch.Tensor, top_ids: torch.Tensor, top_logprobs: torch.Tensor) -> torch.Tensor:
+    """Reverse KL(student || teacher) at each of N positions over the teacher's K most likely
+    tokens plus one bucket for the rest of the vocabulary: differentiable in the student.
+
+    scoring [N, V]: the student's logits at the positions (already divided by the sampling
+    temperature, as ``scored_logprobs`` returns them); top_ids [N, K] int, top_logprobs [N, K]
+    (the teacher's logprobs of those tokens) -> [N] float32 >= 0:
+
+        sum_k p_s(k) (log p_s(k) - log p_t(k))  +  p_s(rest) (log p_s(rest) - log p_t(rest))
+
+    with rest = every token outside the K, p(rest) = 1 - sum_k p(k). Merging tokens can only
+    lower a KL, so this is a lower bound of the full one, equal to it when the K tokens hold
+    all of both distributions' mass (K = the vocabulary). Its gradient is the exact gradient of
+    that KL at the position: nothing is sampled.
+    """
+    student = torch.log_softmax(scoring.float(), dim=-1)  # [N, V]
+    student_k = student.gather(-1, top_ids.long())  # [N, K]
+    teacher_k = top_logprobs.float()
+    kl = (student_k.exp() * (student_k - teacher_k)).sum(-1)
+    student_rest = log_rest(student_k)
+    teacher_rest = log_rest(teacher_k)
+    return kl + student_rest.exp() * (student_rest - teacher_rest)
+
+
+REST_FLOOR = 1e-12
+"""Smallest probability the rest bucket is given, so its log stays finite when the top-k hold it all."""
+
+
+def log_rest(logprobs_k: torch.Tensor) -> torch.Tensor:
+    """log(1 - sum(exp(logprobs_k))) over the last dim, floored at log(REST_FLOOR): [..., K] -> [...]."""
+    mass = torch.logsumexp(logprobs_k, dim=-1).exp()
+    return torch.log((1.0 - mass).clamp(min=REST_FLOOR))
+
+
 def reverse_kl_sum(inference_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
     """0-d float32 sum over loss tokens of log p_student - log p_teacher (all [B, T]): the
     sampled estimate of the reverse KL to the teacher, summed so micro-batches and ranks add

@@ -28,7 +28,9 @@ from prime_rl.settings import run_process
 from prime_rl.wire import TrainBatch
 from trainer.ckpt import checkpoint_due, load_checkpoint, save_checkpoint
 from trainer.data import BatchReceiver, MicroTensors, collate
-from trainer.loss import distill_advantages, entropy_from_logits, policy_loss, reverse_kl_sum, scored_logprobs
+from trainer.loss import (
+    distill_advantages, entropy_from_logits, policy_loss, reverse_kl_sum, scored_logprobs, top_k_reverse_kl,
+)
 from trainer.model import (
     World, forward_logits, load_model, packing_support, setup_world, shared_prefix_support, teardown_world, uses_varlen,
 )
@@ -42,7 +44,7 @@ CONSOLE_KEYS = (
 # Per-step sums reduced over micro-batches and ranks, in this order (one all-reduce).
 SUM_KEYS = (
     "loss_sum", "loss_tokens", "masked_tokens", "ratio_sum", "mismatch_kl_sum",
-    "entropy_sum", "samples", "tokens", "model_tokens", "truncated", "distill_kl_sum",
+    "entropy_sum", "samples", "tokens", "model_tokens", "truncated", "distill_kl_sum", "top_k_kl_sum",
 )
 
 
@@ -112,7 +114,7 @@ def train(cfg: TrainerConfig) -> None:
                 "save_ckpt": t_ckpt - t_save,
             }
             row = {
-                **step_metrics(stats, timings, step, distill=cfg.loss.distill is not None),
+                **step_metrics(stats, timings, step, distill=cfg.loss.distill),
                 "optim/nonfinite_streak": nonfinite, "weights/writers": writers,
             }
             metrics.log(step, {**row, **resume_row})
@@ -184,8 +186,8 @@ def check_teacher(micros: list[MicroTensors], distill: DistillConfig | None, ste
         raise no_teacher(f"the batch of step {step}")
 
 
-def no_teacher(what: str) -> ValueError:
-    return ValueError(f"trainer.loss.distill is set but {what} carries no teacher logprobs (is [teacher] configured for the orchestrator?)")
+def no_teacher(what: str, carries: str = "teacher logprobs") -> ValueError:
+    return ValueError(f"trainer.loss.distill is set but {what} carries no {carries} (is [teacher] configured for the orchestrator?)")
 
 
 def loss_token_count(mt: MicroTensors, denominator: str, distill: DistillConfig | None = None) -> int:
@@ -206,16 +208,35 @@ def token_advantages(
     """(advantages for ``policy_loss``, the reverse-KL sum for ``distill_kl_sum``).
 
     RL: the samples' own advantages [B] untouched, and a KL of 0. Distillation: per-token
-    advantages [B, T-1] from ``distill_advantages``. inference_lp and loss_mask [B, T-1] are
-    already shifted (position t scores token t+1); the teacher's logprobs are shifted alike.
+    advantages [B, T-1] from ``distill_advantages``; with ``top_k`` the KL is a loss of its
+    own (``top_k_loss``), so the advantages are the weighted group advantages [B] alone.
+    inference_lp and loss_mask [B, T-1] are already shifted (position t scores token t+1);
+    the teacher's logprobs are shifted alike.
     """
     if distill is None:
         return mt.advantages, torch.zeros((), dtype=torch.float32)
     if mt.teacher_logprobs is None:
         raise no_teacher("a micro-batch")
     teacher_lp = mt.teacher_logprobs[:, 1:]
-    advantages = distill_advantages(mt.advantages, inference_lp, teacher_lp, loss_mask, distill)
-    return advantages, reverse_kl_sum(inference_lp, teacher_lp, loss_mask)
+    kl_sum = reverse_kl_sum(inference_lp, teacher_lp, loss_mask)
+    if distill.top_k:
+        return distill.reward_weight * mt.advantages, kl_sum
+    return distill_advantages(mt.advantages, inference_lp, teacher_lp, loss_mask, distill), kl_sum
+
+
+def top_k_loss(mt: MicroTensors, scoring: torch.Tensor, distill: DistillConfig | None) -> torch.Tensor | None:
+    """Each loss token's top-k reverse KL to the teacher [N] (with gradient), or None when
+    the loss asks for none. scoring [N, V]: the student's tempered logits at the N loss tokens."""
+    if distill is None or not distill.top_k:
+        return None
+    if mt.teacher_top_ids is None or mt.teacher_top_logprobs is None:
+        raise no_teacher("a micro-batch", f"top-{distill.top_k} tokens of the teacher")
+    if mt.teacher_top_ids.shape != (scoring.shape[0], distill.top_k):
+        raise ValueError(
+            f"the teacher's top-k rows {tuple(mt.teacher_top_ids.shape)} do not match the micro-batch's "
+            f"{scoring.shape[0]} loss tokens x trainer.loss.distill.top_k {distill.top_k}"
+        )
+    return top_k_reverse_kl(scoring, mt.teacher_top_ids, mt.teacher_top_logprobs)
 
 
 def micro_step(
@@ -228,6 +249,9 @@ def micro_step(
     trainer_lp, scoring = scored_logprobs(logits, mt.source, mt.input_ids, loss_mask, temperature)  # [B, T-1]
     advantages, kl_sum = token_advantages(mt, inference_lp, loss_mask, loss_cfg.distill)
     loss, stats = policy_loss(trainer_lp, inference_lp, advantages, loss_mask, loss_cfg, num_tokens)
+    top_kl = top_k_loss(mt, scoring, loss_cfg.distill)  # [N] or None
+    if top_kl is not None:  # the step's token mean, like the policy loss
+        loss = loss + loss_cfg.distill.kl_weight * top_kl.sum() / num_tokens
     entropy = entropy_from_logits(scoring)  # [N loss tokens], no grad; already divided by temperature
     # FSDP averages gradients over ranks; the loss is already a global token mean, so undo it.
     (loss * world_size).backward()
@@ -240,6 +264,7 @@ def micro_step(
         "model_tokens": torch.tensor(float(mt.num_model_tokens)),
         "truncated": torch.tensor(float(mt.num_truncated)),
         "distill_kl_sum": kl_sum,
+        "top_k_kl_sum": torch.zeros(()) if top_kl is None else top_kl.detach().sum(),
     }
     return torch.stack([values[k].double().to(mt.input_ids.device) for k in SUM_KEYS])
 
@@ -263,9 +288,11 @@ def all_reduce(t: torch.Tensor, op) -> torch.Tensor:
     return t
 
 
-def step_metrics(s: dict[str, float], timings: dict[str, float], step: int, distill: bool = False) -> dict[str, float]:
+def step_metrics(
+    s: dict[str, float], timings: dict[str, float], step: int, distill: DistillConfig | None = None
+) -> dict[str, float]:
     """Prefixed metric row from the reduced step sums; ``loss/reverse_kl`` only when
-    distilling (``distill``), so RL rows keep their keys."""
+    distilling (``distill``, and ``loss/reverse_kl_top_k`` with its top_k), so RL rows keep their keys."""
     n = max(s["loss_tokens"], 1.0)
     row = {
         "loss/policy": s["loss_sum"],
@@ -283,8 +310,10 @@ def step_metrics(s: dict[str, float], timings: dict[str, float], step: int, dist
         "perf/peak_memory_mb": peak_memory_mb(),
         **{f"time/{k}": v for k, v in timings.items()},
     }
-    if distill:
-        row["loss/reverse_kl"] = s["distill_kl_sum"] / n  # per loss token, nats
+    if distill is not None:
+        row["loss/reverse_kl"] = s["distill_kl_sum"] / n  # per loss token, nats: the sampled estimate
+        if distill.top_k:
+            row["loss/reverse_kl_top_k"] = s["top_k_kl_sum"] / n  # what the top-k loss minimises
     if s["samples"] > 0:
         row["staleness/max"] = step - int(s["min_version"])
     return row
