@@ -52,7 +52,7 @@ def test_every_shipped_toml_parses():
             cfg = load_config(RLConfig, [path.parent / "rl.toml", path], [])
             assert cfg.trainer.lora is not None and cfg.inference.max_lora_rank is not None
             continue
-        if path.stem == "distill":  # an overlay too
+        if path.stem in ("distill", "context-distill"):  # overlays too
             cfg = load_config(RLConfig, [path.parent / "rl.toml", path], [])
             assert cfg.teacher is not None and cfg.trainer.loss.distill is not None
             continue
