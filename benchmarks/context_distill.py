@@ -1,16 +1,17 @@
-"""Context distillation on reverse-text: bake a helpful system prompt into the weights.
+"""Context distillation on reverse-text: bake an instruction into the weights, then drop it.
 
     uv run --group bench python -m benchmarks.context_distill [--quick] [--steps N]
 
 (a) The quickstart's SFT model (`benchmarks.run.prepare_model`) is evaluated with
 `prime-rl eval` on the first 100 examples of reverse-text's held-out eval split (4 rollouts
-each, temperature 1) under its own system prompt and under each candidate teacher prompt of
-``PROMPTS``. (b) The candidate that scores best is the teacher's prompt: the same SFT model,
-served as the teacher, scores the student's tokens under it, while the student samples and
-trains under its plain prompt (pure distillation: `reward_weight = 0`), for `steps` steps of
-the quickstart's config. (c) The student's final weights are evaluated under the plain
-prompt on the same 100 examples: before / after. Writes `benchmarks/results/context-distill.json`
-(a quick run: `outputs/bench/results/`) with its own RESULTS.md section.
+each, temperature 1) under the student's prompt (``STUDENT``: the bare text, no system
+message) and under each candidate teacher prompt of ``PROMPTS``. (b) The candidate that scores
+best is the teacher's prompt: the same SFT model, served as the teacher, scores the student's
+tokens under it, while the student samples and trains under its own prompt (pure distillation:
+`configs/reverse-text/context-distill.toml` over the quickstart's `rl.toml`) for `steps` steps.
+(c) The student's final weights are evaluated under the student's prompt on the same 100
+examples: before / after. Writes `benchmarks/results/context-distill.json` (a quick run:
+`outputs/bench/results/`) with its own RESULTS.md section.
 """
 
 from __future__ import annotations
@@ -23,68 +24,74 @@ from pathlib import Path
 
 from benchmarks.loadgen import free_port
 from benchmarks.run import REPO, RESULTS, WORK, Recipe, prepare_model, run_prime_rl, write_part
+from orchestrator.envs.reverse_text import SYSTEM_PROMPT
 
-CONFIG = "configs/reverse-text/rl.toml"
+CONFIG = ("configs/reverse-text/rl.toml", "configs/reverse-text/context-distill.toml")
+STUDENT = ""
+"""The student's system prompt: none (the environment's `system_prompt` argument, "" = no system message)."""
 PROMPTS = {
-    "two-examples": "Reverse the text character by character.\nExample: abc -> cba\nExample: hello -> olleh",
+    "instruction": SYSTEM_PROMPT,
+    "two-examples": f"{SYSTEM_PROMPT}\nExample: abc -> cba\nExample: hello -> olleh",
     "spelled-out": "Reverse the text character by character: write its last character first, then the one "
                    "before it, and so on until its first character.",
     "terse": "Reverse the text.",
 }
-"""Candidate teacher prompts (the environment's own: "Reverse the text character by character.")."""
+"""Candidate teacher prompts; "instruction" is the environment's own, the one SFT trained on."""
 EVAL = ["-n", "100", "-r", "4", "-T", "1.0", "-s"]
 
 
-def evaluate(model: Path, out: Path, prompt: str | None, num_examples: str = "100") -> float:
-    """Mean reward of ``model`` on reverse-text's eval split under ``prompt`` (None: the environment's)."""
+def evaluate(model: Path, out: Path, prompt: str, num_examples: str = "100") -> float:
+    """Mean reward of ``model`` on reverse-text's eval split under system prompt ``prompt`` ("": none)."""
     out.mkdir(parents=True, exist_ok=True)
-    flags = [*EVAL]
+    flags = [*EVAL, "-a", json.dumps({"system_prompt": prompt})]
     flags[1] = num_examples
-    if prompt is not None:
-        (out / "prompt.txt").write_text(prompt)
-        flags += ["--system-prompt-file", str(out / "prompt.txt")]
     cmd = [sys.executable, "-m", "prime_rl.cli", "eval", "reverse-text", "-m", str(model), *flags,
            "--output-dir", str(out), "--inference.port", str(free_port())]
     subprocess.run(cmd, check=True, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    (summary,) = out.glob("*/*/summary.json")
+    summary = max(out.glob("*/*/summary.json"), key=lambda p: p.stat().st_mtime)  # this evaluation's, not an earlier run's
     return json.loads(summary.read_text())["reward/mean"]
 
 
 def measure(steps: int, out: Path, num_examples: str) -> dict:
     sft = prepare_model(Recipe())
-    scores = {"plain": evaluate(sft, out / "eval-plain", None, num_examples)}
+    scores = {"student (none)": evaluate(sft, out / "eval-student", STUDENT, num_examples)}
     for name, prompt in PROMPTS.items():
         scores[name] = evaluate(sft, out / f"eval-{name}", prompt, num_examples)
     best = max(PROMPTS, key=scores.__getitem__)
     run_prime_rl(CONFIG, sft, out / "run", [
         "--max-steps", str(steps), "--teacher.model", str(sft), "--teacher.port", str(free_port()),
-        "--teacher.system-prompt", PROMPTS[best], "--trainer.loss.distill.reward-weight", "0",
-        "--trainer.loss.distill.kl-weight", "1",
+        "--teacher.system-prompt", PROMPTS[best],
     ])
-    after = evaluate(out / "run" / "weights" / f"step_{steps}", out / "eval-after", None, num_examples)
+    after = evaluate(out / "run" / "weights" / f"step_{steps}", out / "eval-after", STUDENT, num_examples)
     rows = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines() if line.strip()]
     kl = [r["distill/reverse_kl"] for r in rows if r["process"] == "orchestrator" and "distill/reverse_kl" in r]
-    return {"scores": scores, "best": best, "prompt": PROMPTS[best], "after": after,
+    return {"scores": scores, "best": best, "prompt": PROMPTS[best], "after": after, "num_examples": int(num_examples),
             "reverse_kl_first5": sum(kl[:5]) / len(kl[:5]), "reverse_kl_last5": sum(kl[-5:]) / len(kl[-5:])}
 
 
 def section(result: dict, steps: int) -> list[str]:
     scores = result["scores"]
+    before, teacher = scores["student (none)"], scores[result["best"]]
     lines = ["Context distillation on reverse-text (`benchmarks/context_distill.py`): the SFT model's mean reward "
-             "on the first 100 held-out examples (4 rollouts each, temperature 1) under each system prompt; the "
-             f"best candidate ({result['best']!r}) is the teacher's prompt for {steps} steps of pure distillation "
-             "(teacher = the SFT model itself); the student is evaluated under the plain prompt before and after.", "",
+             f"on the first {result['num_examples']} held-out examples (4 rollouts each, temperature 1) under the student's prompt (none: "
+             "the bare text) and under each candidate teacher prompt; the best candidate "
+             f"({result['best']!r}) is the teacher's prompt for {steps} steps of pure distillation (teacher = the SFT "
+             "model itself, `configs/reverse-text/context-distill.toml`); the student is evaluated under its own "
+             "prompt before and after.", "",
              "| system prompt | reward |", "|---|---|"]
     lines += [f"| {name} | {value:.3f} |" for name, value in scores.items()]
     lines += ["", "| figure | value |", "|---|---|",
-              f"| plain prompt, before | {scores['plain']:.3f} |",
-              f"| teacher's prompt ({result['best']}), before | {scores[result['best']]:.3f} |",
-              f"| plain prompt, after {steps} steps of context distillation | {result['after']:.3f} |",
+              f"| student's prompt (none), before | {before:.3f} |",
+              f"| teacher's prompt ({result['best']}), before | {teacher:.3f} |",
+              f"| student's prompt (none), after {steps} steps of context distillation | {result['after']:.3f} |",
               f"| reverse KL to the teacher, first 5 steps | {result['reverse_kl_first5']:.4f} |",
               f"| reverse KL to the teacher, last 5 steps | {result['reverse_kl_last5']:.4f} |"]
-    if scores[result["best"]] <= scores["plain"]:
-        lines += ["", "No candidate beats the plain prompt here, so the teacher is worse than the student: the student "
-                  "moves toward the teacher's prompt's reward under its own prompt (the mechanism, not a gain)."]
+    if teacher <= before:
+        lines += ["", "No candidate beats the student's own prompt here: the teacher is no better than the student "
+                  "(the mechanism, not a gain)."]
+    else:
+        gained = (result["after"] - before) / (teacher - before)
+        lines += ["", f"The student without its prompt recovered {gained:.0%} of what the teacher's prompt adds."]
     return lines
 
 

@@ -163,13 +163,14 @@ def prepare_model(recipe: Recipe) -> Path:
 # --------------------------------------------------------------------------- the two systems
 
 
-def run_prime_rl(config: str, model: Path, out: Path, flags: list[str], warm: tuple[int, dict] | None = None,
-                 system: str = "prime-rl") -> Curve:
-    """`prime-rl CONFIG` on ``model`` with ``flags``, headless; with ``warm`` (the port and
-    environment of ``warm_server``), attached to that server."""
+def run_prime_rl(config: str | tuple[str, ...], model: Path, out: Path, flags: list[str],
+                 warm: tuple[int, dict] | None = None, system: str = "prime-rl") -> Curve:
+    """`prime-rl CONFIG [LAYER ...]` on ``model`` with ``flags``, headless; with ``warm`` (the
+    port and environment of ``warm_server``), attached to that server."""
     port, env = warm or (free_port(), None)
     attach = ["--inference.attach", "true"] if warm else []
-    cmd = [sys.executable, "-m", "prime_rl.cli", config, "--model", str(model), "--output-dir", str(out), *flags,
+    configs = [config] if isinstance(config, str) else list(config)
+    cmd = [sys.executable, "-m", "prime_rl.cli", *configs, "--model", str(model), "--output-dir", str(out), *flags,
            "--clean", "--no-tmux", "--inference.port", str(port), *attach, "--transport.port", str(free_port())]
     t0 = time.time()
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, env=env)
