@@ -176,3 +176,17 @@ def test_make_sft_data_script(tmp_path):
         assert system == {"role": "system", "content": SYSTEM_PROMPT}
         assert user == {"role": "user", "content": example.info["text"]}
         assert assistant == {"role": "assistant", "content": user["content"][::-1]}
+
+
+def test_the_registry_says_tools_exactly_for_the_builtins_whose_own_definitions_have_tools():
+    """`tools` in registry.toml is what the launcher checks before any process starts
+    (`prime_rl.registry.tool_parser_problem`); each environment's loaded tool schemas decide."""
+    from prime_rl.registry import builtins
+
+    small = {"gsm8k": {"source": "generated", "num_train_examples": 4, "num_eval_examples": 0}}
+    for env_id, entry in builtins().items():
+        env = load_env(EnvConfig(id=env_id, args=small.get(env_id, {})))
+        try:
+            assert bool(env.tool_defs) == entry.tools, env_id
+        finally:
+            env.close()

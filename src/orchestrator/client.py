@@ -571,19 +571,6 @@ def not_this_run(url: str, why: str) -> str:
     return f"something else answers on {host}, not this run's inference server ({why}); the API key was not sent to it"
 
 
-def check_identity(url: str, key: str, timeout_s: float) -> None:
-    """The identity challenge, synchronously (gepa's teacher): returns once the server at
-    ``url`` proved it holds ``key``; raises InferenceError when something else answers there."""
-    nonce = new_nonce()
-    try:
-        response = httpx.get(url + IDENTITY_PATH, params={"nonce": nonce}, timeout=timeout_s)
-    except httpx.TransportError as e:
-        raise InferenceError(f"the inference server at {url} did not answer: {type(e).__name__}: {e}") from None
-    why = _identity_failure(response, key, nonce)
-    if why is not None:
-        raise InferenceError(not_this_run(url, why))
-
-
 def _prompt_logprob_sum(payload: dict[str, Any], url: str) -> float:
     """Sum of the prompt tokens' logprobs in a completion asked with ``prompt_logprobs``:
     ``choices[0].prompt_logprobs`` is [None, {"<token id>": {"logprob": ...}}, ...]."""

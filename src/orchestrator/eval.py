@@ -22,28 +22,25 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import signal
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from prime_rl.config import ClientConfig, EvalEnvConfig, EvalRunConfig, EvalTarget, SamplingConfig
+from prime_rl.config import EvalEnvConfig, EvalRunConfig
 from prime_rl.envs import Environment, Example, ModelClient, Rollout
+from prime_rl.registry import PASS_PARSER
 from prime_rl.rundir import log_path, write_failed, write_json_atomic
 from prime_rl.settings import ConfigError, help_text, process_config
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import Progress
 from rich.table import Table
 
-from orchestrator.client import InferenceClient, InferenceError
+from orchestrator.entry import check_tool_parser, load_tokenizer, make_client, make_sampler, progress_bar, run_entry
 from orchestrator.envs import load_env
-from orchestrator.envworker import EnvironmentWorkerError
-from orchestrator.main import leaf_errors, load_tokenizer
 from orchestrator.rollouts import run_groups, summarize
-from orchestrator.sampler import ChatSampler, TokenSampler
 
 
 @dataclass
@@ -82,59 +79,13 @@ def setup(argv: list[str]) -> tuple[EvalRunConfig, list[tuple[EvalEnvConfig, Env
         for entry in cfg.eval:
             envs.append((entry, load_env(entry.env_config(), cfg.inference.output_dir, cfg.inference.model if local else None)))
         tokenizer = load_tokenizer(cfg.inference.model) if local else None
-        for entry, env in envs:
-            if env.tool_defs and local and cfg.inference.tool_call_parser is None:
-                raise ConfigError(
-                    f"environment {entry.id!r} calls tools: set `[inference] tool_call_parser` to vLLM's parser for the "
-                    "model family (\"hermes\" for Qwen3, Qwen2.5 and the tiny test model)"
-                )
+        if local:  # an endpoint's API parses its own tool calls
+            check_tool_parser([(entry.id, env) for entry, env in envs], cfg.inference.tool_call_parser, PASS_PARSER)
     except (ValueError, ConfigError) as e:
         for _, env in envs:
             env.close()
         raise e if isinstance(e, ConfigError) else ConfigError(str(e)) from None
     return cfg, envs, tokenizer
-
-
-# --------------------------------------------------------------------------- (b) samplers
-
-
-def make_client(client_cfg: ClientConfig, target: EvalTarget) -> InferenceClient:
-    """A local server (one this run started) gets the key only once it proved it holds it;
-    an endpoint's key is meant for whoever answers at the endpoint's URL."""
-    return InferenceClient(with_api_key(client_cfg, target), target.model, own_server=target.type == "local")
-
-
-def with_api_key(client_cfg: ClientConfig, target: EvalTarget) -> ClientConfig:
-    """An endpoint's key comes from its environment variable, read only here (never stored)."""
-    if target.api_key_var is None:
-        return client_cfg
-    key = os.environ.get(target.api_key_var) or None
-    if key is None:
-        log(f"{target.api_key_var} is not set: sending no API key")
-    return client_cfg.model_copy(update={"api_key": key})
-
-
-def chat_sampler(cfg: EvalRunConfig, client: InferenceClient, tokenizer) -> ModelClient:
-    return ChatSampler(client, cfg.sampling)
-
-
-def token_sampler(cfg: EvalRunConfig, client: InferenceClient, tokenizer) -> ModelClient:
-    seq_len = cfg.inference.seq_len
-    # model_construct: eval allows temperature 0 (greedy), which RL's SamplingConfig refuses
-    # because the trainer divides by it; nothing here trains. vLLM's default temperature is 1.
-    sampling = SamplingConfig.model_construct(
-        max_tokens=cfg.sampling.max_tokens or seq_len,
-        temperature=1.0 if cfg.sampling.temperature is None else cfg.sampling.temperature,
-    )
-    # per_turn: each turn's prompt is the template's rendering of the whole chat, as a chat
-    # API does; nothing is trained on, so no template has to render turns as extensions.
-    return TokenSampler(client, tokenizer, sampling, seq_len, per_turn=True, tool_call_parser=cfg.inference.tool_call_parser)
-
-
-SAMPLERS: dict[str, Callable[[EvalRunConfig, InferenceClient, object], ModelClient]] = {
-    "endpoint": chat_sampler,
-    "local": token_sampler,
-}
 
 
 # --------------------------------------------------------------------------- (c) rollouts
@@ -148,7 +99,7 @@ async def run(
         if cfg.target.type == "local":
             log(f"waiting for the vLLM server at {client.base_url} (its log: {log_path(cfg.inference.output_dir, 'inference')})")
             await client.wait_healthy(cfg.client.startup_timeout_s)
-        sampler = SAMPLERS[cfg.target.type](cfg, client, tokenizer)
+        sampler = make_sampler(cfg, client, tokenizer)  # (b)
         # Every environment at once: the client caps the requests in flight.
         async with asyncio.TaskGroup() as tasks:
             futures = [tasks.create_task(evaluate_env(entry, env, sampler, cfg, progress)) for entry, env in envs]
@@ -166,14 +117,6 @@ async def evaluate_env(
     start = time.perf_counter()
     groups = await run_groups(env, sampler, examples, n, on_group=lambda group: progress.advance(bar, len(group)))
     return EnvResult(entry, examples, n, groups, time.perf_counter() - start)
-
-
-def progress_bar(console: Console) -> Progress:
-    """Rollouts done / total, one bar per environment."""
-    return Progress(
-        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("rollouts"), TimeElapsedColumn(),
-        console=console,
-    )
 
 
 # --------------------------------------------------------------------------- (d) tables
@@ -270,28 +213,17 @@ def log(msg: str) -> None:
     print(f"[eval] {msg}", file=sys.stderr, flush=True)
 
 
-def interrupt(signum, frame) -> None:
-    """The launcher stops this process with SIGTERM: unwind like Ctrl-C, so the progress bar
-    gives the terminal its cursor back."""
-    raise KeyboardInterrupt
-
-
-def one_line(error: BaseException) -> str:
-    return " ".join(str(error).split()) or type(error).__name__
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if "--help" in argv or "-h" in argv:
         print("python -m orchestrator.eval [--config] CONFIG.{json,toml} [--flags]   (started by `prime-rl eval`)\n")
         print("\n".join(help_text(EvalRunConfig)))
         return 0
-    signal.signal(signal.SIGTERM, interrupt)
-    try:
-        cfg, envs, tokenizer = setup(argv)
-    except ConfigError as e:
-        log(one_line(e))
-        return 2
+    return run_entry("eval", lambda: evaluate(argv), sigterm_interrupts=True)
+
+
+def evaluate(argv: list[str]) -> None:
+    cfg, envs, tokenizer = setup(argv)
     console = Console()
     where = f"endpoint {cfg.target.endpoint_id!r} at" if cfg.target.type == "endpoint" else "local vLLM server at"
     log(f"model {cfg.target.model!r} ({where} {cfg.client.base_url}); environments: {', '.join(e.metric_name for e, _ in envs)}")
@@ -305,21 +237,9 @@ def main(argv: list[str] | None = None) -> int:
             for result in results:
                 # print, not rich: a path must not be wrapped at the console's width
                 print(f"[eval] {result.name}: results in {save_results(cfg, result, started)}/", flush=True)
-    except KeyboardInterrupt:
-        log("interrupted")
-        return 130
-    except (OSError, InferenceError, EnvironmentWorkerError, ExceptionGroup) as e:  # TimeoutError is an OSError
-        errors = leaf_errors(e)
-        if not all(isinstance(err, OSError | InferenceError | EnvironmentWorkerError) for err in errors):
-            raise
-        # Expected failures (a server missing or misbehaving, a disk full): once each, no traceback.
-        for message in dict.fromkeys(one_line(err) for err in errors):
-            log(f"error: {message}")
-        return 1
     finally:
         for _, env in envs:
             env.close()
-    return 0
 
 
 if __name__ == "__main__":

@@ -22,8 +22,8 @@ runtime failure, 130 when interrupted.
 
 from __future__ import annotations
 
+import asyncio
 import json
-import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -31,22 +31,20 @@ from pathlib import Path
 from typing import Any
 
 import gepa
-from gepa.core.result import GEPAResult
 import httpx
 import numpy as np
+from gepa.core.result import GEPAResult
 from prime_rl.config import ClientConfig, EvalTarget, GepaRunConfig
 from prime_rl.envs import Environment, Example
 from prime_rl.rundir import write_failed, write_json_atomic
-from prime_rl.settings import ConfigError, help_text, process_config
+from prime_rl.settings import ConfigError, help_text, one_line, process_config
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import Progress
 
-from orchestrator.client import InferenceError, check_identity
+from orchestrator.client import InferenceClient, InferenceError
+from orchestrator.entry import EXPECTED_ERRORS, load_tokenizer, make_client, make_sampler, progress_bar, run_entry, with_api_key
 from orchestrator.envs import load_env
-from orchestrator.envworker import EnvironmentWorkerError
-from orchestrator.eval import SAMPLERS, interrupt, make_client, one_line, with_api_key
 from orchestrator.gepa_adapter import COMPONENT, EnvironmentAdapter, NoSystemPrompt, seed_prompt
-from orchestrator.main import load_tokenizer
 
 
 def log(msg: str) -> None:
@@ -88,19 +86,14 @@ def setup(argv: list[str]) -> tuple[GepaRunConfig, Task]:
 
 
 class Teacher:
-    """GEPA's reflection LM: one chat completion of the teacher model per proposal."""
+    """GEPA's reflection LM: one chat completion of the teacher model per proposal, through the
+    client every model call goes through (its retries, and a local server's key only once it
+    proved it holds it). GEPA calls it synchronously, between the adapter's rollouts, so it
+    runs on the adapter's event loop."""
 
-    def __init__(self, client_cfg: ClientConfig, target: EvalTarget):
-        client_cfg = with_api_key(client_cfg, target)
-        self.url = client_cfg.urls[0]
-        self.model = target.model
-        self.timeout_s = client_cfg.timeout_s
-        # The local server (the rollout model's) must prove it holds the key before it gets it
-        # (orchestrator.client); an endpoint's key goes to the endpoint's URL as it is.
-        self.unproven_key = client_cfg.api_key if target.type == "local" else None
-        self.headers = {} if self.unproven_key else bearer(client_cfg)
-        self.path = "/chat/completions" if self.url.endswith("/v1") else "/v1/chat/completions"
-
+    def __init__(self, client: InferenceClient, loop: asyncio.AbstractEventLoop):
+        self.client = client
+        self.loop = loop
         self.failures = 0
 
     def __call__(self, prompt: str) -> str:
@@ -114,18 +107,9 @@ class Teacher:
             raise
 
     def _complete(self, prompt: str) -> str:
-        body = {"model": self.model, "messages": [{"role": "user", "content": prompt}]}
-        if self.unproven_key:
-            check_identity(self.url, self.unproven_key, self.timeout_s)
-            self.headers, self.unproven_key = {"Authorization": f"Bearer {self.unproven_key}"}, None
-        try:
-            response = httpx.post(self.url + self.path, json=body, headers=self.headers, timeout=self.timeout_s)
-        except httpx.TransportError as e:
-            raise InferenceError(f"the reflection model at {self.url} did not answer: {type(e).__name__}: {e}") from None
-        if response.status_code != 200:
-            raise InferenceError(f"the reflection model at {self.url} answered status {response.status_code}: {response.text[:300]}")
-        choices = response.json().get("choices") or [{}]
-        return (choices[0].get("message") or {}).get("content") or ""
+        messages = [{"role": "user", "content": prompt}]
+        ((text, _, _),) = self.loop.run_until_complete(self.client.chat_text_n(messages, n=1, max_tokens=None, temperature=None))
+        return text
 
 
 class SearchLog:
@@ -267,12 +251,11 @@ def main(argv: list[str] | None = None) -> int:
         print("python -m orchestrator.gepa [--config] CONFIG.{json,toml} [--flags]   (started by `prime-rl gepa`)\n")
         print("\n".join(help_text(GepaRunConfig)))
         return 0
-    signal.signal(signal.SIGTERM, interrupt)
-    try:
-        cfg, task = setup(argv)
-    except ConfigError as e:
-        log(one_line(e))
-        return 2
+    return run_entry("gepa", lambda: setup_and_optimize(argv), sigterm_interrupts=True)
+
+
+def setup_and_optimize(argv: list[str]) -> int:
+    cfg, task = setup(argv)
     try:
         return optimize(cfg, task)
     finally:
@@ -280,36 +263,32 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def optimize(cfg: GepaRunConfig, task: Task) -> int:
-    try:
-        check_reachable(cfg.client, cfg.target, "rollout")
-        check_reachable(cfg.reflection_client, cfg.reflection_target, "reflection")
-    except ConfigError as e:
-        log(one_line(e))
-        return 2
+    check_reachable(cfg.client, cfg.target, "rollout")
+    check_reachable(cfg.reflection_client, cfg.reflection_target, "reflection")
     tokenizer = load_tokenizer(cfg.inference.model) if cfg.target.type == "local" else None
     client = make_client(cfg.client, cfg.target)
-    adapter = EnvironmentAdapter(task.env, SAMPLERS[cfg.target.type](cfg, client, tokenizer), cfg.gepa.state_columns)
+    adapter = EnvironmentAdapter(task.env, make_sampler(cfg, client, tokenizer), cfg.gepa.state_columns)
     log(f"{task.name}: seed prompt {task.seed!r}; {len(task.train)} training, {len(task.val)} validation examples; "
         f"budget {cfg.gepa.max_calls} rollouts; model {cfg.target.model!r}, teacher {cfg.reflection_target.model!r}")
     started, interrupted, code, result = time.time(), False, 0, None
-    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("rollouts"),
-                        TimeElapsedColumn(), console=Console(stderr=True))
-    bar = BudgetBar(progress, cfg.gepa.max_calls)
+    bar = BudgetBar(progress_bar(Console(stderr=True)), cfg.gepa.max_calls)
     search_log = SearchLog(cfg.output_dir / "runs" / cfg.run_id / "logs" / "search.log")
     log(f"the search's own log: {search_log.path}")
-    teacher = Teacher(cfg.reflection_client, cfg.reflection_target)
+    teacher_client = make_client(cfg.reflection_client, cfg.reflection_target)
+    teacher = Teacher(teacher_client, adapter.loop)
     try:
         if cfg.target.type == "local":
             adapter.loop.run_until_complete(client.wait_healthy(cfg.client.startup_timeout_s))
-        with progress:
+        with bar.progress:
             result = search(cfg, task, adapter, teacher, bar, search_log)
     except KeyboardInterrupt:
         interrupted, code = True, 130
-    except (OSError, InferenceError, EnvironmentWorkerError) as e:  # TimeoutError is an OSError
+    except EXPECTED_ERRORS as e:  # the results so far are still written below
         log(f"error: {one_line(e)}")
         code = 1
     finally:
         adapter.loop.run_until_complete(client.close())
+        adapter.loop.run_until_complete(teacher_client.close())
         adapter.close()
         search_log.close()
     if teacher.failures:

@@ -47,10 +47,11 @@ from pathlib import Path
 
 import numpy as np
 from prime_rl.chat import TemplateError
-from prime_rl.config import EnvConfig, OrchestratorConfig, check_model_path
+from prime_rl.config import EnvConfig, OrchestratorConfig
 from prime_rl.envs import Environment, Rollout
 from prime_rl.heartbeat import Heartbeat
 from prime_rl.metrics import Metrics, make_metrics
+from prime_rl.registry import SET_PARSER
 from prime_rl.rundir import MARKER, latest_weights_step, weights_dir, weights_step_dir
 from prime_rl.settings import ConfigError, help_text, process_config
 from prime_rl.wire import encode_batch
@@ -60,11 +61,11 @@ from orchestrator.batch import ScoredRollout, pack_batches
 from orchestrator.client import InferenceClient, InferenceError
 from orchestrator.data import ExampleOrder
 from orchestrator.envs import load_env
-from orchestrator.envworker import EnvironmentWorkerError
+from orchestrator.entry import check_tool_parser, load_tokenizer, run_entry
 from orchestrator.inflight import Cut, GroupPool
 from orchestrator.preflight import PreflightFailed, preflight
 from orchestrator.progress import ResumeError, StepRecord, plan_resume, prune_records, repacked_frames, save_record
-from orchestrator.rollouts import run_groups, summarize
+from orchestrator.rollouts import function_figures, run_groups, summarize
 from orchestrator.sampler import TokenSampler, check_multi_turn_template
 from orchestrator.sender import BatchSender
 from orchestrator.teacher import Teacher, TeacherError
@@ -253,9 +254,11 @@ def env_metrics(items: list[ScoredRollout]) -> dict[str, float | int]:
         rollouts = [item.rollout for item in items if item.env == name]
         row[f"reward/{name}/mean"] = float(np.mean([r.reward for r in rollouts]))
         row[f"batch/{name}/rollouts"] = len(rollouts)
-        for metric in dict.fromkeys(m for r in rollouts for m in r.metrics):
-            row[f"metrics/{name}/{metric}"] = float(np.mean([r.metrics.get(metric, 0.0) for r in rollouts]))
-            row[f"errors/{name}/{metric}"] = sum(metric in r.errors for r in rollouts)
+        for key, value in function_figures(rollouts).items():
+            kind, function = key.split("/", 1)
+            row[f"{kind}/{name}/{function}"] = value
+        for metric in (m for r in rollouts for m in r.metrics):  # a function with a value has an error count, 0 or more
+            row.setdefault(f"errors/{name}/{metric}", 0)
     return row
 
 
@@ -602,12 +605,7 @@ def setup(argv: list[str]) -> tuple[OrchestratorConfig, list[tuple[str, Environm
         for (_, env), env_cfg in zip(envs, cfg.env):
             if not env.dataset:
                 raise ConfigError(f"environment {env_cfg.id!r} has no training examples (only an eval split)")
-        for (_, env), env_cfg in zip(envs, cfg.env):
-            if env.tool_defs and cfg.tool_call_parser is None:
-                raise ConfigError(
-                    f"environment {env_cfg.id!r} calls tools: set `[inference] tool_call_parser` to vLLM's parser for "
-                    "the model family (\"hermes\" for Qwen3, Qwen2.5 and the tiny test model)"
-                )
+        check_tool_parser([(env_cfg.id, env) for (_, env), env_cfg in zip(envs, cfg.env)], cfg.tool_call_parser, SET_PARSER)
         tokenizer = load_tokenizer(cfg.tokenizer or cfg.model)
         if cfg.multi_turn == "sequence" and any(env.max_turns != 1 and not getattr(env, "renders_prompts", False)
                                                 for _, env in envs):
@@ -639,49 +637,23 @@ def close_envs(envs: list[tuple[str, Environment]]) -> None:
         env.close()
 
 
-def load_tokenizer(name: str):
-    from transformers import AutoTokenizer
-
-    try:
-        check_model_path(name, "tokenizer")  # a missing local path fails now, not after hub retries
-        return AutoTokenizer.from_pretrained(name)
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"cannot load the tokenizer of {name!r}: {e}") from None
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if "--help" in argv or "-h" in argv:
         print("python -m orchestrator.main [--config] CONFIG.{json,toml} [--flags]\n")
         print("\n".join(help_text(OrchestratorConfig)))
         return 0
-    try:
-        cfg, envs, tokenizer = setup(argv)
-    except ConfigError as e:
-        print(e, file=sys.stderr)
-        return 2
+    # a strict preflight that fails is the user's to fix, like a config error: exit 2
+    return run_entry("orchestrator", lambda: orchestrate(argv), (ResumeError, TemplateError, TeacherError),
+                     usage_errors=(PreflightFailed,))
+
+
+def orchestrate(argv: list[str]) -> None:
+    cfg, envs, tokenizer = setup(argv)
     try:
         asyncio.run(run(cfg, envs, tokenizer))
-    except (OSError, InferenceError, ResumeError, PreflightFailed, TemplateError, EnvironmentWorkerError, TeacherError,
-            ExceptionGroup) as e:  # TimeoutError is an OSError
-        errors = leaf_errors(e)
-        expected = OSError | InferenceError | ResumeError | PreflightFailed | TemplateError | EnvironmentWorkerError | TeacherError
-        if not all(isinstance(err, expected) for err in errors):
-            raise
-        # Expected failures (a peer missing or misbehaving): the message, once, without a traceback.
-        for message in dict.fromkeys(str(err) for err in errors):
-            print(f"[orchestrator] error: {message}", file=sys.stderr)
-        return 2 if all(isinstance(err, PreflightFailed) for err in errors) else 1
     finally:
         close_envs(envs)
-    return 0
-
-
-def leaf_errors(error: BaseException) -> list[BaseException]:
-    """The errors inside (nested) exception groups, e.g. from the rollouts' TaskGroup."""
-    if isinstance(error, BaseExceptionGroup):
-        return [leaf for inner in error.exceptions for leaf in leaf_errors(inner)]
-    return [error]
 
 
 if __name__ == "__main__":

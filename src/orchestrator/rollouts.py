@@ -46,6 +46,17 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - comb(n - c, k) / comb(n, k)
 
 
+def function_figures(rollouts: Sequence[Rollout]) -> dict[str, float]:
+    """Per rubric function, in name order: `metrics/<function>` (its mean raw value, 0 where a
+    rollout has none) and `errors/<function>` (rollouts whose function raised)."""
+    row: dict[str, float] = {}
+    for name in sorted({name for r in rollouts for name in r.metrics}):
+        row[f"metrics/{name}"] = float(np.mean([r.metrics.get(name, 0.0) for r in rollouts]))
+    for name in sorted({name for r in rollouts for name in r.errors}):
+        row[f"errors/{name}"] = sum(name in r.errors for r in rollouts)
+    return row
+
+
 def summarize(groups: Sequence[Sequence[Rollout]]) -> dict[str, float]:
     """Flat figures over the groups (see the module docstring); keys without a prefix."""
     rewards = [np.array([r.reward for r in group], dtype=np.float64) for group in groups if group]
@@ -61,12 +72,7 @@ def summarize(groups: Sequence[Sequence[Rollout]]) -> dict[str, float]:
         "easy_frac": float(np.mean([g.mean() >= EASY_REWARD for g in rewards])),
         "no_diversity_frac": float(np.mean([np.all(g == g[0]) for g in rewards])),
     }
-    names = sorted({name for group in groups for r in group for name in r.metrics})
-    for name in names:
-        row[f"metrics/{name}"] = float(np.mean([r.metrics.get(name, 0.0) for g in groups for r in g]))
-    errors = sorted({name for group in groups for r in group for name in r.errors})
-    for name in errors:
-        row[f"errors/{name}"] = sum(name in r.errors for g in groups for r in g)
+    row.update(function_figures([r for group in groups for r in group]))
     n = min(len(g) for g in rewards)
     if np.isin(flat, (0.0, 1.0)).all() and n > 0:
         for k in sorted({1, *(k for k in (2, 4, 8, 16, 32) if k <= n), n}):

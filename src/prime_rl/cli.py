@@ -33,14 +33,12 @@ from typing import Any
 from pydantic import ValidationError
 
 from prime_rl.config import (
-    TOOL_ENVIRONMENTS,
     EvalRunConfig,
     EvalTarget,
     GepaRunConfig,
     RLConfig,
     SFTConfig,
     check_model_path,
-    environment_name,
     vllm_lora_rank,
 )
 from prime_rl.deployment import (
@@ -54,6 +52,7 @@ from prime_rl.deployment import (
     write_config,
 )
 from prime_rl.endpoints import Endpoint, load_endpoints
+from prime_rl.registry import PASS_PARSER, declares_tools, tool_parser_problem
 from prime_rl import warm
 from prime_rl.launcher import ProcessSpec, run, tmux_available
 from prime_rl.ports import Binding, inference_bindings, port_problems, rl_bindings
@@ -683,13 +682,9 @@ def resolve_eval_target(config: EvalRunConfig | GepaRunConfig) -> EvalTarget:
         raise ConfigError(problems[0])
     config.client.base_url = f"http://{inference.host}:{inference.port}"
     config.client.api_key = inference.api_key
-    entries = config.eval if isinstance(config, EvalRunConfig) else config.env
-    tool_envs = [entry.id for entry in entries if environment_name(entry.id) in TOOL_ENVIRONMENTS]
-    if tool_envs and inference.tool_call_parser is None:
-        raise ConfigError(
-            f"environment {tool_envs[0]!r} calls tools: pass `--inference.tool_call_parser hermes` (vLLM's parser "
-            "for Qwen3, Qwen2.5 and the tiny test model; another family needs its own)"
-        )
+    for entry in config.eval if isinstance(config, EvalRunConfig) else config.env:
+        if problem := tool_parser_problem(entry.id, declares_tools(entry.id), inference.tool_call_parser, PASS_PARSER):
+            raise ConfigError(problem)
     # Served under its own path name (vLLM's default), which requests then use.
     return EvalTarget(type="local", model=inference.served_model_name or config.model)
 

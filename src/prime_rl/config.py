@@ -44,8 +44,6 @@ class StrictModel(BaseModel):
 # The built-in ids come from one registry (`prime_rl/registry.toml`), which the orchestrator
 # loads environments through as well.
 KNOWN_ENVIRONMENTS = tuple(registry.builtins())
-TOOL_ENVIRONMENTS = tuple(env_id for env_id, entry in registry.builtins().items() if entry.tools)
-"""Built-ins that call tools: they need `[inference] tool_call_parser`."""
 environment_name = registry.environment_name
 environment_module = registry.environment_module
 
@@ -1119,11 +1117,8 @@ class RLConfig(StrictModel):
             self.orchestrator.tool_call_parser = self.inference.tool_call_parser
             self.orchestrator.model_fields_set.discard("tool_call_parser")
         for env in self.orchestrator.env:
-            if environment_name(env.id) in TOOL_ENVIRONMENTS and self.inference.tool_call_parser is None:
-                raise ValueError(
-                    f"environment {env.id!r} calls tools: set `[inference] tool_call_parser` to vLLM's parser "
-                    "for the model family (\"hermes\" for Qwen3, Qwen2.5 and the tiny test model)"
-                )
+            if problem := registry.tool_parser_problem(env.id, registry.declares_tools(env.id), self.inference.tool_call_parser):
+                raise ValueError(problem)
         self._lora()
         self._teacher()
         # One checkpoint schedule for both processes: the orchestrator follows the trainer's.

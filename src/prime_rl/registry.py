@@ -50,6 +50,30 @@ def builtins() -> dict[str, Builtin]:
     return {env_id: Builtin(env_id, entry["module"], bool(entry.get("tools", False))) for env_id, entry in data.items()}
 
 
+SET_PARSER = "set `[inference] tool_call_parser`"
+PASS_PARSER = "pass `--inference.tool_call_parser hermes`"
+"""How a run's config, and the command line of `prime-rl eval` / `gepa`, give the parser."""
+
+
+def tool_parser_problem(env_id: str, calls_tools: bool, parser: str | None, how: str = SET_PARSER) -> str | None:
+    """The one check that an environment which calls tools gets vLLM's tool-call parser (its
+    calls would otherwise come back as plain text): None, or the one-line problem. Before
+    launch ``calls_tools`` is a built-in's `tools` (``registry.toml``, which a test checks
+    against each environment's own tool schemas); where an environment is loaded it is its
+    ``tool_defs``, so a user's tool environment is caught there."""
+    if not calls_tools or parser is not None:
+        return None
+    return (f"environment {env_id!r} calls tools: {how} (vLLM's tool-call parser for the model family: \"hermes\" "
+            "for Qwen3, Qwen2.5 and the tiny test model; another family needs its own)")
+
+
+def declares_tools(env_id: str) -> bool:
+    """A built-in environment that calls tools (``registry.toml``); False for a user's, which
+    only its loaded ``tool_defs`` tell."""
+    entry = builtin(env_id)
+    return entry is not None and entry.tools
+
+
 def environment_name(env_id: str) -> str:
     """`primeintellect/reverse-text` -> `reverse-text` (the hosted form names the owner)."""
     return env_id.removeprefix(HUB_PREFIX)

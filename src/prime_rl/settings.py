@@ -223,24 +223,54 @@ def process_config(cls: type[M], argv: list[str]) -> M:
 
 
 def run_process(name: str, cls: type[M], body: Callable[[M], None], argv: list[str] | None = None) -> int:
-    """Entry point of a process: parse its config, run ``body``, map the outcome to an exit code.
-
-    2 for a config error, 130 for Ctrl-C, 1 with the traceback and a one-line reason for any
-    other failure, 0 on success.
-    """
+    """Entry point of a process: parse its config, run ``body``, map the outcome to an exit
+    code (``run_entry``)."""
     argv = sys.argv[1:] if argv is None else argv
+    return run_entry(name, lambda: body(process_config(cls, argv)))
+
+
+def run_entry(
+    name: str,
+    body: Callable[[], int | None],
+    expected: tuple[type[BaseException], ...] = (),
+    usage_errors: tuple[type[BaseException], ...] = (),
+) -> int:
+    """Run an entry point's ``body`` and map how it ended to the process's exit code, the same
+    way for every process (trainer, orchestrator, eval, gepa, sft):
+
+    - its own code when it returns one (e.g. 130 from a search that saved its results), else 0;
+    - 2, its message on stderr, when it fails with a ``ConfigError`` or one of ``usage_errors``
+      (what the user must fix first), also inside exception groups;
+    - 130 on Ctrl-C (and SIGTERM, where the entry point turns it into KeyboardInterrupt);
+    - 1 for ``expected`` failures (a peer missing or misbehaving, a disk full): each message
+      once, one line, no traceback;
+    - 1 for anything else: the traceback, then one line saying why.
+    """
     try:
-        cfg = process_config(cls, argv)
-    except ConfigError as e:
-        print(f"[{name}] config error:\n{e}", file=sys.stderr, flush=True)
-        return 2
-    try:
-        body(cfg)
+        return body() or 0
     except KeyboardInterrupt:
         print(f"[{name}] interrupted", file=sys.stderr, flush=True)
         return 130
-    except Exception as e:  # noqa: BLE001 - the process ends here; say why in one line
+    except Exception as e:  # noqa: BLE001 - the process ends here; say why
+        errors = leaf_errors(e)
+        usage = (ConfigError, *usage_errors)
+        if all(isinstance(err, usage + expected) for err in errors):
+            for message in dict.fromkeys(str(err) if isinstance(err, ConfigError) else f"error: {one_line(err)}"
+                                         for err in errors):
+                print(f"[{name}] {message}", file=sys.stderr, flush=True)
+            return 2 if all(isinstance(err, usage) for err in errors) else 1
         traceback.print_exc()
-        print(f"[{name}] failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        print(f"[{name}] failed: {type(e).__name__}: {one_line(e)}", file=sys.stderr, flush=True)
         return 1
-    return 0
+
+
+def leaf_errors(error: BaseException) -> list[BaseException]:
+    """The errors inside (nested) exception groups, e.g. from a TaskGroup of rollouts."""
+    if isinstance(error, BaseExceptionGroup):
+        return [leaf for inner in error.exceptions for leaf in leaf_errors(inner)]
+    return [error]
+
+
+def one_line(error: BaseException) -> str:
+    """An error's message on one line (its type's name when it has none)."""
+    return " ".join(str(error).split()) or type(error).__name__

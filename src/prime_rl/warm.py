@@ -42,7 +42,8 @@ from typing import Any
 import psutil
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from prime_rl.config import TOOL_ENVIRONMENTS, RLConfig, environment_name
+from prime_rl.config import RLConfig
+from prime_rl.registry import declares_tools
 from prime_rl.deployment import Replica
 from prime_rl.keys import IDENTITY_PATH, new_nonce, proves_identity
 from prime_rl.ports import try_bind
@@ -319,7 +320,7 @@ def refusals(need: RunNeeds, state: ServerState) -> list[str]:
 
 def run_needs(config: RLConfig) -> RunNeeds:
     folder = model_folder(config.trainer.model.name)
-    tool_envs = [env.id for env in config.orchestrator.env if environment_name(env.id) in TOOL_ENVIRONMENTS]
+    tool_envs = [env.id for env in config.orchestrator.env if declares_tools(env.id)]
     return RunNeeds(
         model=config.trainer.model.name, architecture=architecture(folder), tokenizer_sha256=tokenizer_digest(folder),
         dtype=config.inference.dtype, seq_len=config.inference.seq_len, lora=config.trainer.lora is not None,

@@ -44,6 +44,7 @@ from prime_rl.rundir import (
     write_failed,
     write_json_atomic,
 )
+from prime_rl.settings import one_line
 from trainer.lora import is_lora
 
 
@@ -148,11 +149,6 @@ def _root_cause(error: BaseException) -> BaseException:
     return error
 
 
-def _one_line(error: BaseException) -> str:
-    text = str(error).strip() or type(error).__name__
-    return " ".join(text.split())
-
-
 def load_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, run_dir: Path, step: int) -> int:
     """Restore the state after ``step`` steps from ``checkpoints/step_{step}``; returns ``step``.
 
@@ -180,7 +176,7 @@ def load_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, schedule
     except CheckpointError:
         raise
     except (OSError, KeyError, ValueError, RuntimeError, pickle.UnpicklingError, CheckpointException) as e:
-        raise CheckpointError(f"cannot load checkpoint {folder}: {_one_line(_root_cause(e))}") from e
+        raise CheckpointError(f"cannot load checkpoint {folder}: {one_line(_root_cause(e))}") from e
     if meta["step"] != step:
         raise CheckpointError(f"{folder / 'trainer.json'} says step {meta['step']}, expected {step}")
     return step
