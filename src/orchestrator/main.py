@@ -21,8 +21,9 @@ Before the first step of a fresh run, a preflight check of the task's difficulty
         rollout of the step concurrently (with `[orchestrator.filter]`: drop groups that
         teach nothing, sample replacements);
   (e) advantages within each example's group of rollouts;
-  (f) pack one batch per trainer rank and send it;
-  (g) log a metrics row (overall, and per environment).
+  (e') with a distillation teacher, its logprob of every sampled token;
+  (f) pack one batch per trainer rank, record it, send it;
+  (g) log a metrics row (overall, and per environment); `time/step` spans (a)-(f).
 Each batch is recorded in `rollouts/step_n/` before it is sent (`orchestrator.progress`),
 so a resume from a trainer checkpoint re-sends what was sampled but not yet trained on
 and samples on from the recorded data cursor (with continuous batching, the examples in
@@ -430,20 +431,7 @@ async def run(cfg: OrchestratorConfig, envs: list[tuple[str, Environment]], toke
         start, version, cursor = 0, 0, {"order": order.state_dict(), "pending": []}  # a fresh run: the initial model
         if cfg.ckpt.resume_step is not None:
             start, version, cursor = resume(cfg, data, order, sender, metrics)
-        client.version = version  # inference starts with these weights (the launcher's choice)
-        with hb.waiting(f"the inference server at {', '.join(cfg.client.urls)} to become healthy"):
-            await client.wait_healthy(cfg.client.startup_timeout_s)
-        if teacher is not None:
-            with hb.waiting(f"the teacher at {teacher.url}"):
-                await teacher.check(tokenizer, cfg.seq_len)
-        startup_row = {"startup/server_ready_unix": time.time()}  # in the first step's row (benchmarks.run reads it)
-        if cfg.initial_weights is not None:  # a running server (another run's): our own weights first
-            await client.resume()  # a run killed mid-reload leaves it paused
-            await client.reload_weights(cfg.initial_weights, version)
-        elif version > 0 and cfg.lora_adapter is not None:  # LoRA: inference serves the base; load the adapter
-            await client.reload_weights(weights_step_dir(cfg.output_dir, version), version)
-        if cfg.client.verify_reload:  # the replicas must start alike too; later probes must differ from this
-            startup_row.update(probe_row(await client.probe_replicas(), "startup"))
+        startup_row = await prepare_servers(cfg, client, teacher, tokenizer, version, hb)
         if cfg.batching == "continuous":
             reloads = Reloads([])
             pool, follower = start_generation(cfg, envs, order, sampler, client, cursor["pending"], reloads)
@@ -460,27 +448,18 @@ async def run(cfg: OrchestratorConfig, envs: list[tuple[str, Environment]], toke
             version = batch.sync.version
             if batch.eval_row is not None:
                 metrics.log(step, batch.eval_row, process="eval")
-            # (e) advantages within each example's group
-            items = scored_items(batch, cfg, step)
-            teacher_row = {}
-            if teacher is not None:  # (e') the teacher's logprob of every sampled token
-                with hb.waiting(f"the teacher's logprobs for step {step}"):
-                    items, teacher_row = await teacher.score(items, cfg.seq_len, cfg.multi_turn == "per_turn")
+            # (e) advantages within each example's group, and the teacher's scores
+            items, teacher_row = await score_step(batch, cfg, step, teacher, hb)
             # (f) one batch per trainer rank, recorded (for a resume) before it is sent
             frames = [encode_batch(b) for b in pack_step(items, step, cfg)]
-            step_s = time.perf_counter() - step_start
-            row = step_metrics(step, items, batch.sync, cfg, batch.generate_s, step_s, client.retries,
-                               client.requests_per_replica(), batch.rate_s)
-            row.update(batch.row)
-            row.update(teacher_row)
-            row.update(startup_row)
+            row = {**step_metrics(step, items, batch.sync, cfg, batch.generate_s, time.perf_counter() - step_start,
+                                  client.retries, client.requests_per_replica(), batch.rate_s),
+                   **batch.row, **teacher_row, **startup_row}
             startup_row = {}
-            if record_progress:
-                record_step(cfg, step, frames, cursor, batch, items, data, row)
+            ship_step(step, frames, sender, cfg, record=(cursor, batch, items, data, row) if record_progress else None)
             cursor = batch.cursor
-            for rank, frame in enumerate(frames):
-                sender.send_frame(rank, step, frame)
-            # (g) metrics
+            # (g) metrics; time/step covers the whole step, the record and the send included
+            row["time/step"] = time.perf_counter() - step_start
             metrics.log(step, row)
             hb.progress(f"sent the batch of step {step}")
         # The end: the groups still in flight are cancelled (nothing keeps sampling), then
@@ -503,6 +482,49 @@ async def run(cfg: OrchestratorConfig, envs: list[tuple[str, Environment]], toke
         if teacher is not None:
             await teacher.close()
         metrics.close()
+
+
+async def prepare_servers(cfg: OrchestratorConfig, client: InferenceClient, teacher: Teacher | None, tokenizer, version: int,
+                          hb: Heartbeat) -> dict[str, float]:
+    """Before the first step: inference healthy and serving ``version``'s weights (the
+    launcher's choice; a warm server gets this run's own), the teacher checked. Returns the
+    start-up figures for the first step's row."""
+    client.version = version
+    with hb.waiting(f"the inference server at {', '.join(cfg.client.urls)} to become healthy"):
+        await client.wait_healthy(cfg.client.startup_timeout_s)
+    if teacher is not None:
+        with hb.waiting(f"the teacher at {teacher.url}"):
+            await teacher.check(tokenizer, cfg.seq_len)
+    row = {"startup/server_ready_unix": time.time()}  # benchmarks.run reads it
+    if cfg.initial_weights is not None:  # a running server (another run's): our own weights first
+        await client.resume()  # a run killed mid-reload leaves it paused
+        await client.reload_weights(cfg.initial_weights, version)
+    elif version > 0 and cfg.lora_adapter is not None:  # LoRA: inference serves the base; load the adapter
+        await client.reload_weights(weights_step_dir(cfg.output_dir, version), version)
+    if cfg.client.verify_reload:  # the replicas must start alike too; later probes must differ from this
+        row.update(probe_row(await client.probe_replicas(), "startup"))
+    return row
+
+
+async def score_step(batch: StepBatch, cfg: OrchestratorConfig, step: int, teacher: Teacher | None,
+                     hb: Heartbeat) -> tuple[list[ScoredRollout], dict[str, float]]:
+    """(e) advantages within each example's group; with a distillation teacher, (e') its logprob
+    of every sampled token and its metrics."""
+    items = scored_items(batch, cfg, step)
+    if teacher is None:
+        return items, {}
+    with hb.waiting(f"the teacher's logprobs for step {step}"):
+        return await teacher.score(items, cfg.seq_len, cfg.multi_turn == "per_turn")
+
+
+def ship_step(step: int, frames: list[bytes], sender: BatchSender, cfg: OrchestratorConfig, record: tuple | None) -> None:
+    """(f) the step's frames to the trainer ranks; with ``record`` (the cursor before the step,
+    the batch, its items, the data description, the metrics row), first into
+    `rollouts/step_n/`, which a resume re-sends from."""
+    if record is not None:
+        record_step(cfg, step, frames, *record)
+    for rank, frame in enumerate(frames):
+        sender.send_frame(rank, step, frame)
 
 
 def start_generation(cfg, envs, order, sampler, client: InferenceClient, pending, reloads: Reloads) -> tuple[GroupPool, asyncio.Task]:
