@@ -15,7 +15,9 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from prime_rl.launcher import tail
-from prime_rl.rundir import MARKER, checkpoint_step_dir, log_path
+from prime_rl.rundir import (
+    MARKER, append_jsonl, checkpoint_step_dir, log_path, metrics_path, rollouts_step_dir, weights_dir, weights_step_dir,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -224,3 +226,77 @@ def resume(run_dir, config, *flags) -> tuple[int, float]:
     assert tagged_processes(tag) == []
     (step,) = re.findall(r"resuming .* from checkpoint step (\d+)", out)
     return int(step), time.monotonic() - started
+
+
+def stop_process_group(proc: subprocess.Popen) -> None:
+    """SIGTERM vLLM's whole process group (the API server and its engine core), then SIGKILL."""
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(proc.pid, 0)  # the engine core may outlive the API server by a moment
+        except ProcessLookupError:
+            return
+        time.sleep(0.2)
+
+
+def step_dir(folder, complete=True):
+    folder.mkdir(parents=True)
+    if complete:
+        (folder / MARKER).write_text("\n")
+
+
+def crashed_run(run, weights=range(1, 7), checkpoints=(2, 4), records=range(1, 6)):
+    """What a run killed after its trainer's step 5 leaves behind (checkpoint every 2 steps)."""
+    for step in weights:
+        step_dir(weights_step_dir(run, step))
+    step_dir(weights_dir(run) / "step_7.tmp", complete=False)
+    for step in checkpoints:
+        step_dir(checkpoint_step_dir(run, step))
+    step_dir(checkpoint_step_dir(run, 6), complete=False)  # killed between rename and marker
+    for step in records:
+        step_dir(rollouts_step_dir(run, step))
+    for step in range(6):
+        for process in ("orchestrator", "trainer"):
+            append_jsonl(metrics_path(run), {"process": process, "step": step})
+
+
+ENDPOINTS = """
+[[endpoint]]
+endpoint_id = "fake"
+model = "fake/model-1"
+url = "{url}/v1"
+key = "FAKE_EVAL_KEY"
+
+[[endpoint]]
+endpoint_id = "other"
+model = "other-model"
+url = "http://127.0.0.1:9/v1"
+"""
+
+
+def endpoints_file(tmp_path: Path, url: str = "http://127.0.0.1:9") -> Path:
+    path = tmp_path / "endpoints.toml"
+    path.write_text(ENDPOINTS.format(url=url))
+    return path
+
+
+def eval_cli(args: list[str], env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "prime_rl.cli", "eval", *args],
+        cwd=REPO, env={**os.environ, **(env or {})}, capture_output=True, text=True, timeout=timeout,
+    )
+
+
+INSTRUCTION = "last character first"
+
+
+def reverse_if_told(messages, index) -> str:
+    system = messages[0]["content"] if messages and messages[0]["role"] == "system" else ""
+    text = messages[-1]["content"]
+    return text[::-1] if INSTRUCTION in system else text

@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -27,32 +26,7 @@ from prime_rl.config import ClientConfig, EvalEnvConfig, EvalRunConfig, EvalSamp
 from prime_rl.envs import Example, Rollout
 from prime_rl.endpoints import load_endpoints
 from prime_rl.settings import ConfigError, load_config
-
-ENDPOINTS = """
-[[endpoint]]
-endpoint_id = "fake"
-model = "fake/model-1"
-url = "{url}/v1"
-key = "FAKE_EVAL_KEY"
-
-[[endpoint]]
-endpoint_id = "other"
-model = "other-model"
-url = "http://127.0.0.1:9/v1"
-"""
-
-
-def endpoints_file(tmp_path: Path, url: str = "http://127.0.0.1:9") -> Path:
-    path = tmp_path / "endpoints.toml"
-    path.write_text(ENDPOINTS.format(url=url))
-    return path
-
-
-def eval_cli(args: list[str], env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "prime_rl.cli", "eval", *args],
-        cwd=REPO, env={**os.environ, **(env or {})}, capture_output=True, text=True, timeout=timeout,
-    )
+from helpers import endpoints_file, eval_cli
 
 
 # --------------------------------------------------------------------------- config and CLI errors

@@ -19,14 +19,7 @@ from prime_rl.envs.env import with_system_prompt
 from orchestrator.sampler import ChatSampler
 from prime_rl.config import ClientConfig, EnvConfig, EvalSamplingConfig
 from prime_rl.envs import SingleTurnEnv
-
-INSTRUCTION = "last character first"
-
-
-def reverse_if_told(messages, index) -> str:
-    system = messages[0]["content"] if messages and messages[0]["role"] == "system" else ""
-    text = messages[-1]["content"]
-    return text[::-1] if INSTRUCTION in system else text
+from helpers import INSTRUCTION, reverse_if_told
 
 
 def teacher(prompt: str) -> str:

@@ -7,7 +7,6 @@ import contextlib
 import json
 import math
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -25,7 +24,7 @@ from inference.auth import API_KEY_ENV, RequireApiKey
 from inference.server import vllm_command, vllm_env
 from orchestrator.client import InferenceClient, InferenceError
 
-from helpers import REPO, free_port, new_tag, tagged_processes
+from helpers import REPO, free_port, new_tag, stop_process_group, tagged_processes
 
 KEY = "sekret"
 ADMIN_ROUTES = ["/collective_rpc", "/pause", "/resume", "/reset_prefix_cache"]
@@ -226,18 +225,3 @@ def test_real_vllm_refuses_admin_routes_without_the_key(tmp_path, tiny_model):
     assert tagged_processes(tag) == [], "vLLM's engine process must stop with the server"
 
 
-def stop_process_group(proc: subprocess.Popen) -> None:
-    """SIGTERM vLLM's whole process group (the API server and its engine core), then SIGKILL."""
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        try:
-            os.killpg(proc.pid, 0)  # the engine core may outlive the API server by a moment
-        except ProcessLookupError:
-            return
-        time.sleep(0.2)

@@ -19,8 +19,7 @@ from orchestrator.batch import ScoredRollout, pack_batches
 from orchestrator.client import FULL_DISTRIBUTION, InferenceClient, cache_salt
 from trainer.loss import policy_loss
 
-from helpers import free_port, new_tag, tagged_processes
-from test_inference_auth import stop_process_group
+from helpers import free_port, new_tag, stop_process_group, tagged_processes
 
 PROMPT = [257, *b"user\nsay something long", 258, 257, *b"assistant\n"]
 # Tokens of the completion a reload interrupts: long enough that the engine is still in it

@@ -4,12 +4,11 @@ import json
 
 import pytest
 
+from helpers import crashed_run
 from prime_rl.cli import main
 from prime_rl.resume import rewind
 from prime_rl.rundir import (
     MARKER,
-    append_jsonl,
-    checkpoint_step_dir,
     checkpoints_dir,
     complete_steps,
     config_path,
@@ -19,27 +18,6 @@ from prime_rl.rundir import (
     weights_dir,
     weights_step_dir,
 )
-
-
-def step_dir(folder, complete=True):
-    folder.mkdir(parents=True)
-    if complete:
-        (folder / MARKER).write_text("\n")
-
-
-def crashed_run(run, weights=range(1, 7), checkpoints=(2, 4), records=range(1, 6)):
-    """What a run killed after its trainer's step 5 leaves behind (checkpoint every 2 steps)."""
-    for step in weights:
-        step_dir(weights_step_dir(run, step))
-    step_dir(weights_dir(run) / "step_7.tmp", complete=False)
-    for step in checkpoints:
-        step_dir(checkpoint_step_dir(run, step))
-    step_dir(checkpoint_step_dir(run, 6), complete=False)  # killed between rename and marker
-    for step in records:
-        step_dir(rollouts_step_dir(run, step))
-    for step in range(6):
-        for process in ("orchestrator", "trainer"):
-            append_jsonl(metrics_path(run), {"process": process, "step": step})
 
 
 def test_rewind_undoes_everything_after_the_checkpoint(tmp_path):

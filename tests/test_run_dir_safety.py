@@ -10,10 +10,9 @@ from pathlib import Path
 import pytest
 
 import prime_rl.cli
-from helpers import REPO, free_port_pair
+from helpers import REPO, crashed_run, free_port_pair
 from prime_rl.cli import main
 from prime_rl.rundir import RUN_MARKER, write_run_marker
-from test_resume import crashed_run
 
 STATE = ("logs", "weights", "wandb", "metrics.jsonl")
 

@@ -10,34 +10,10 @@ import subprocess
 import pytest
 import torch
 
-from prime_rl.config import LoraConfig, OptimConfig
+from trainer_helpers import LORA, fresh, train_step
 from prime_rl.rundir import MARKER, WriteFailed, checkpoint_step_dir, checkpoints_dir, complete_steps, weights_dir
 from trainer.ckpt import CheckpointError, checkpoint_due, load_checkpoint, save_checkpoint
-from trainer.lora import add_lora
-from trainer.optim import build_optimizer, clip_and_step
 from trainer.weights import save_weights
-
-
-LORA = LoraConfig(rank=4, alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
-
-
-def fresh(tiny_model, lora: LoraConfig | None = None):
-    """The tiny model (with LoRA adapters when ``lora`` is given) and its optimizer."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
-    if lora is not None:
-        torch.manual_seed(0)  # lora_A starts random (the trainer seeds before loading, too)
-        model = add_lora(model, lora)
-    optimizer, scheduler = build_optimizer(model, OptimConfig(lr=1e-2, warmup_steps=3, weight_decay=0.1))
-    return model, optimizer, scheduler
-
-
-def train_step(model, optimizer, scheduler, step: int) -> None:
-    """One optimizer step on a batch that depends only on ``step``."""
-    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(step))
-    model(input_ids=ids, labels=ids).loss.backward()
-    clip_and_step(model, optimizer, scheduler, max_grad_norm=1.0)
 
 
 @pytest.mark.parametrize("lora", [None, LORA], ids=["full", "lora"])

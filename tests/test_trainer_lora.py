@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 from safetensors import safe_open
-from test_trainer_ckpt import LORA, fresh, train_step
+from trainer_helpers import LORA, fresh, train_step
 from torch.distributed.checkpoint import FileSystemReader
 
 from prime_rl.config import LoraConfig

@@ -166,7 +166,7 @@ def test_two_fsdp_ranks_match_one_process(tiny_model, tmp_path):
 
     # Each run checkpointed its last step; the 2-rank checkpoint (DCP, sharded over ranks)
     # loads into one process with the same weights and the same AdamW state.
-    from test_trainer_ckpt import fresh
+    from trainer_helpers import fresh
     from trainer.ckpt import load_checkpoint
 
     loaded = {}
@@ -233,7 +233,7 @@ def test_two_fsdp_ranks_train_the_same_lora_adapter_as_one_process(tiny_model, t
     assert max(one[k].abs().max().item() for k in one if "lora_B" in k) > 1e-4  # B left zero: it trained
     assert max((one[k] - two[k]).abs().max().item() for k in one) < 2e-5
 
-    from test_trainer_ckpt import fresh
+    from trainer_helpers import fresh
     from trainer.ckpt import load_checkpoint
 
     model, optimizer, scheduler = fresh(tiny_model, lora=LoraConfig(**lora["lora"]))

@@ -12,8 +12,7 @@ import pytest
 from prime_rl.rundir import metrics_path, read_jsonl
 
 from helpers import finish, kill_mid_run, start_launcher, tagged_processes, trio_toml
-from test_verifiers_classic import CLASSIC
-from test_verifiers_v1 import V1
+from verifiers_venvs import CLASSIC, V1
 from verifiers_venvs import verifiers_venv
 
 MAX_STEPS = 4

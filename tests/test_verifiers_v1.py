@@ -19,12 +19,10 @@ from prime_rl.wire import sample_arrays
 from fake_inference import FakeInferenceServer
 
 from helpers import mask_spans
-from test_verifiers_classic import (
+from verifiers_helpers import (
     check_reversals, check_three_turns, completion_prompts, eval_results, metrics_row, one_batch, orchestrator_config, reverse,
 )
-from verifiers_venvs import verifiers_venv
-
-V1 = ["v1-reverse", "v1-again"]
+from verifiers_venvs import V1, verifiers_venv
 
 
 @pytest.fixture(scope="session")

@@ -12,8 +12,11 @@ from pathlib import Path
 import torch
 import zmq
 
+from prime_rl.config import LoraConfig, OptimConfig
 from prime_rl.wire import SCHEMA_VERSION, MicroBatch, TrainBatch, encode_batch, make_sample
 from trainer.data import collate
+from trainer.lora import add_lora
+from trainer.optim import build_optimizer, clip_and_step
 
 TEMPERATURE = 0.8
 WORDS = ["abc", "hello", "xyz", "reverse"]
@@ -104,3 +107,25 @@ def run_trainer_process(tmp_path: Path, config: dict, frames) -> tuple[int, str]
         ctx.term()
     assert not Path(f"/proc/{proc.pid}").exists()
     return proc.returncode, out
+
+
+LORA = LoraConfig(rank=4, alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
+
+
+def fresh(tiny_model, lora: LoraConfig | None = None):
+    """The tiny model (with LoRA adapters when ``lora`` is given) and its optimizer."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    if lora is not None:
+        torch.manual_seed(0)  # lora_A starts random (the trainer seeds before loading, too)
+        model = add_lora(model, lora)
+    optimizer, scheduler = build_optimizer(model, OptimConfig(lr=1e-2, warmup_steps=3, weight_decay=0.1))
+    return model, optimizer, scheduler
+
+
+def train_step(model, optimizer, scheduler, step: int) -> None:
+    """One optimizer step on a batch that depends only on ``step``."""
+    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(step))
+    model(input_ids=ids, labels=ids).loss.backward()
+    clip_and_step(model, optimizer, scheduler, max_grad_norm=1.0)

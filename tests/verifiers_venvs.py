@@ -62,3 +62,9 @@ def verifiers_venv(version: str, packages: list[str]) -> Path:
         shutil.rmtree(target, ignore_errors=True)
         os.rename(build, target)
     return python
+
+
+CLASSIC = ["vf-single", "vf-multi", "vf-tools", "vf-group", "vf-reverse-text", "vf-broken"]
+
+
+V1 = ["v1-reverse", "v1-again"]
