@@ -12,6 +12,7 @@ import pytest
 from helpers import REPO
 from prime_rl.config import KNOWN_ENVIRONMENTS, EvalRunConfig, GepaRunConfig, RLConfig, SFTConfig
 from prime_rl.endpoints import load_endpoints
+from prime_rl.resolve import resolve
 from prime_rl.settings import ConfigError, load_config, parse_flags
 
 ISSUE_BLOCK = """model = "Qwen/Qwen3-30B-A3B-Instruct-2507"
@@ -49,7 +50,7 @@ def test_every_shipped_toml_parses():
             load_endpoints(path)
             continue
         if path.stem == "lora":  # an overlay, layered on the rl.toml beside it
-            cfg = load_config(RLConfig, [path.parent / "rl.toml", path], [])
+            cfg = resolve(load_config(RLConfig, [path.parent / "rl.toml", path], []))
             assert cfg.trainer.lora is not None and cfg.inference.max_lora_rank is not None
             continue
         if path.stem in ("distill", "context-distill"):  # overlays too
@@ -156,7 +157,7 @@ def test_tool_call_parser_reaches_vllm_and_the_orchestrator():
     from inference.server import vllm_command
     from prime_rl.config import RLConfig
 
-    cfg = RLConfig.model_validate({"env": [{"id": "wiki-search"}], "inference": {"tool_call_parser": "hermes"}})
+    cfg = resolve(RLConfig.model_validate({"env": [{"id": "wiki-search"}], "inference": {"tool_call_parser": "hermes"}}))
     assert cfg.orchestrator.tool_call_parser == "hermes"
     cmd = vllm_command(cfg.inference, cpu=True)
     i = cmd.index("--tool-call-parser")
@@ -171,7 +172,7 @@ def test_trainer_lora_turns_on_adapters_in_inference_and_the_orchestrator():
     from inference.server import vllm_command, vllm_env
     from prime_rl.config import RLConfig
 
-    cfg = RLConfig.model_validate({"trainer": {"lora": {"rank": 12}}})
+    cfg = resolve(RLConfig.model_validate({"trainer": {"lora": {"rank": 12}}}))
     assert cfg.inference.max_lora_rank == 16 and cfg.orchestrator.lora_adapter == "policy-lora"
     cmd = vllm_command(cfg.inference, cpu=True)
     assert "--enable-lora" in cmd and cmd[cmd.index("--max-lora-rank") + 1] == "16"

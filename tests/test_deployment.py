@@ -10,11 +10,12 @@ import pytest
 from helpers import REPO
 from prime_rl.config import RLConfig
 from prime_rl.deployment import PlacementError, plan_single_node, process_specs
+from prime_rl.resolve import resolve
 from prime_rl.settings import ConfigError, load_config
 
 
 def config(**sections) -> RLConfig:
-    return RLConfig.model_validate({"model": "Qwen/Qwen3-0.6B", "batch_size": 64, **sections})
+    return resolve(RLConfig.model_validate({"model": "Qwen/Qwen3-0.6B", "batch_size": 64, **sections}))
 
 
 def test_eight_gpus_split_four_and_four(tmp_path):

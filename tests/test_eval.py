@@ -84,6 +84,26 @@ def test_options_become_settings(tmp_path):
     assert (long_form.sampling.max_tokens, long_form.sampling.temperature, long_form.save_results) == (64, 0.5, True)
 
 
+
+@pytest.mark.parametrize("command", ["eval", "gepa"])
+def test_option_help_is_each_settings_own_doc_and_default(capsys, monkeypatch, command):
+    """The options' help is generated from the fields: a changed default shows up at once."""
+    from prime_rl.config import GepaConfig
+
+    monkeypatch.setattr(EvalRunConfig.model_fields["num_examples"], "default", 7)
+    monkeypatch.setattr(GepaConfig.model_fields["max_calls"], "default", 321)
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, "--help"])
+    out = capsys.readouterr().out
+    assert exit_info.value.code == 0
+    options = out.split("\noptions:\n")[1].split("\n\nEvery setting")[0]
+    if command == "eval":
+        assert "  -n/--num-examples  (--num-examples)\n      Examples per environment" in options
+        assert "-1 = all). (default: 7)" in options
+        assert "(the [[eval]] entry's args)\n      Keyword arguments passed to the environment's `load_environment`" in options
+    else:
+        assert "  -B/--max-calls  (--gepa.max-calls)\n      Evaluation budget" in options and "(default: 321)" in options
+    assert "default 500" not in out and "(default 3)" not in out
 def test_env_args_merge_into_a_config_with_one_entry_only(tmp_path):
     one = tmp_path / "one.toml"
     one.write_text('[[eval]]\nenv_id = "reverse-text"\nenv_args = { min_len = 4, max_len = 6 }\n')

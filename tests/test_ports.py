@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 
-import prime_rl.cli
 from helpers import free_port, free_port_pair
 from prime_rl.cli import main, resolve_eval_target
 from prime_rl.config import RLConfig
@@ -86,7 +85,7 @@ def rl_config(tmp_path, tiny_model, inference_port: int):
 def test_a_run_stops_before_launch_and_a_dry_run_warns(tmp_path, tiny_model, held_port, capsys, monkeypatch):
     port, pid = held_port
     launched = []
-    monkeypatch.setattr(prime_rl.cli, "run", lambda *args, **kwargs: launched.append(args) or 0)
+    monkeypatch.setattr("prime_rl.commands.rl.run", lambda *args, **kwargs: launched.append(args) or 0)
     config = rl_config(tmp_path, tiny_model, port)
     with pytest.raises(SystemExit) as exit_info:
         main([str(config), "--no-tmux"])

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-import prime_rl.cli
 from helpers import REPO, crashed_run, free_port_pair
 from prime_rl.cli import main
 from prime_rl.rundir import RUN_MARKER, write_run_marker
@@ -47,7 +46,7 @@ def launches(monkeypatch):
         seen.append(state_left(Path(run_dir)))
         return 0
 
-    monkeypatch.setattr(prime_rl.cli, "run", fake_run)
+    monkeypatch.setattr("prime_rl.commands.rl.run", fake_run)
     return seen
 
 
@@ -163,7 +162,7 @@ def test_output_dirs_that_cannot_hold_a_run_are_refused_in_one_line(tmp_path, ti
 
     # Dry runs only, and no config written: were the refusal ever lost, this test must not
     # be what empties or litters `/`, the home folder or the checkout.
-    monkeypatch.setattr(prime_rl.cli, "process_specs", must_not_write)
+    monkeypatch.setattr("prime_rl.commands.rl.process_specs", must_not_write)
     config = write_config(tmp_path, tiny_model, tmp_path / "run")
     for output_dir, expected in refused_dirs(tmp_path):
         for flags in (["--dry-run"], ["--dry-run", "--clean"]):

@@ -297,7 +297,7 @@ def test_a_resumed_run_loads_its_checkpoints_weights(tmp_path, tiny_model, seed1
 
 def test_a_lora_run_or_a_keyless_one_is_refused_before_anything_starts(tmp_path, tiny_model, stand_in, capsys, monkeypatch):
     launched = []
-    monkeypatch.setattr(prime_rl.cli, "run", lambda *args, **kwargs: launched.append(args) or 0)
+    monkeypatch.setattr("prime_rl.commands.rl.run", lambda *args, **kwargs: launched.append(args) or 0)
     port = stand_in(KEY)
     warm.write_state(a_state(tiny_model, port, api_key_set=True))
     config = rl_config(tmp_path, tiny_model, port, extra="\n[trainer.lora]\nrank = 8\n")

@@ -102,11 +102,14 @@ async def wait_for_weights(run_dir: Path, min_step: int, timeout_s: float) -> in
     return latest
 
 
-async def sync_policy(step: int, loaded: int, cfg: OrchestratorConfig, client: InferenceClient) -> PolicySync:
-    """Reload the newest complete weights if newer than ``loaded``; block if they are too old.
-    With `client.verify_reload`, check that every replica then serves the same weights."""
+async def sync_policy(
+    step: int, loaded: int, cfg: OrchestratorConfig, client: InferenceClient, async_level: int | None = None
+) -> PolicySync:
+    """Reload the newest complete weights if newer than ``loaded``; block if they are older than
+    ``async_level`` (default `cfg.async_level`) steps. With `client.verify_reload`, check that
+    every replica then serves the same weights."""
     start = time.perf_counter()
-    required = step - cfg.async_level
+    required = step - (cfg.async_level if async_level is None else async_level)
     if loaded < required:
         latest = await wait_for_weights(cfg.output_dir, required, cfg.weights_timeout_s)
     else:
@@ -468,7 +471,7 @@ async def run(cfg: OrchestratorConfig, envs: list[tuple[str, Environment]], toke
         pool = follower = None
         if cfg.eval.interval:
             with hb.waiting(f"the final weights (step {cfg.max_steps}) for the last evaluation"):
-                sync = await sync_policy(cfg.max_steps, client.version, cfg.model_copy(update={"async_level": 0}), client)
+                sync = await sync_policy(cfg.max_steps, client.version, cfg, client, async_level=0)
             with hb.waiting("the last evaluation"):
                 metrics.log(cfg.max_steps, await evaluate(envs, sampler, cfg, sync.version), process="eval")
         delivered = True

@@ -29,6 +29,7 @@ import zmq
 from prime_rl.config import InferenceConfig, RLConfig, TransportConfig
 from prime_rl.keys import holds_secret
 from prime_rl.launcher import ProcessSpec
+from prime_rl.resolve import resolve
 from prime_rl.rundir import config_path, write_json_atomic
 from prime_rl.teacher import teacher_inference
 from prime_rl.wire import DEFAULT_MAX_FRAME_BYTES, max_frame_bytes
@@ -222,7 +223,7 @@ def process_specs(
     if len(placement.nodes) > 1 and not has_transport_keys(config):
         # each node resolves its own configs: keys drawn here would differ from node to node
         raise PlacementError("a multi-node job needs the transport keys in its resolved config (RUN/slurm/rl.json, written by `prime-rl --slurm`)")
-    config = resolve_transport(config)
+    config = resolve_transport(resolve(config))
     plan = placement.nodes[node]
     python = sys.executable
     specs = replica_specs(config, run_dir, plan, multi=len(placement.replicas) > 1) if serve else []

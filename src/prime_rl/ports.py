@@ -21,8 +21,12 @@ from dataclasses import dataclass
 
 import psutil
 
+from typing import TYPE_CHECKING
+
 from prime_rl.config import RLConfig
-from prime_rl.deployment import Placement
+
+if TYPE_CHECKING:  # deployment resolves the config before it lists the ports (prime_rl.resolve)
+    from prime_rl.deployment import Placement
 
 
 @dataclass(frozen=True)
@@ -40,7 +44,7 @@ def rl_bindings(config: RLConfig, placement: Placement, serve: bool = True) -> l
     transport = config.orchestrator.transport
     # as process_specs and the sender resolve it: the placement's bind host, else the config's, else the address
     host = placement.bind_host or transport.bind_host or placement.orchestrator_host
-    for rank in range(config.orchestrator.num_trainer_ranks):
+    for rank in range(config.num_trainer_ranks):
         bindings.append(Binding(host, transport.port + rank, "transport.port" + (f" + {rank} (trainer rank {rank})" if rank else "")))
     if placement.teacher is not None:
         bindings.append(Binding(placement.teacher.host, placement.teacher.port, "teacher.port"))

@@ -32,6 +32,7 @@ from prime_rl.deployment import (
 )
 from prime_rl.launcher import run, tmux_available
 from prime_rl.rundir import write_json_atomic
+from prime_rl.resolve import resolve
 from prime_rl.settings import ConfigError
 
 HOSTS_VAR = "PRIME_RL_SLURM_HOSTS"
@@ -178,7 +179,7 @@ def node_main(argv: list[str]) -> int:
     """`prime-rl slurm-node RUN/slurm/rl.json [--no-tmux]`: this node's processes, until done."""
     if not argv or argv[0].startswith("-"):
         raise ConfigError("usage: prime-rl slurm-node RUN/slurm/rl.json [--no-tmux] (started by the job script)")
-    config = RLConfig.model_validate_json(Path(argv[0]).read_text())
+    config = resolve(RLConfig.model_validate_json(Path(argv[0]).read_text()))  # resolved already: it stays as it is
     if config.slurm is None:
         raise ConfigError(f"{argv[0]}: no [slurm] section")
     run_dir = Path(config.trainer.output_dir)

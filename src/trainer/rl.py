@@ -52,20 +52,27 @@ def log(msg: str) -> None:
     print(f"[trainer] {msg}", flush=True)
 
 
+def fit_to_model(cfg: TrainerConfig, model, is_main: bool) -> TrainerConfig:
+    """The row layout the loaded model supports: `share_prefix` and `pack` turned off (on a
+    copy, decided once; train_step reads the flags) where its attention cannot do them."""
+    if cfg.share_prefix and (reason := shared_prefix_support(model)):
+        cfg = cfg.model_copy(update={"share_prefix": False})
+        if is_main:
+            log(f"shared prefixes off: {reason}; every sample gets a row of its own (trainer.share_prefix)")
+    if cfg.pack and (reason := packing_support(model)):
+        cfg = cfg.model_copy(update={"pack": False})
+        if is_main:
+            log(f"packing off: {reason}; one row per sample or group, right-padded (trainer.pack)")
+    return cfg
+
+
 def train(cfg: TrainerConfig) -> None:
     # ---- setup: threads, process group, model, optimizer, metrics, transport
     world = setup_world(cfg.num_threads)
     heartbeat = Heartbeat(cfg.output_dir, "trainer", enabled=world.is_main)  # for the launcher's watchdog
     torch.manual_seed(cfg.seed)
     model = load_model(cfg.model, world, cfg.lora)
-    if cfg.share_prefix and (reason := shared_prefix_support(model)):
-        cfg = cfg.model_copy(update={"share_prefix": False})  # decided once; train_step reads the flag
-        if world.is_main:
-            log(f"shared prefixes off: {reason}; every sample gets a row of its own (trainer.share_prefix)")
-    if cfg.pack and (reason := packing_support(model)):
-        cfg = cfg.model_copy(update={"pack": False})
-        if world.is_main:
-            log(f"packing off: {reason}; one row per sample or group, right-padded (trainer.pack)")
+    cfg = fit_to_model(cfg, model, world.is_main)
     optimizer, scheduler = build_optimizer(model, cfg.optim)
     metrics = (
         make_metrics("trainer", cfg.output_dir, CONSOLE_KEYS, cfg.wandb, cfg.model_dump(mode="json"))

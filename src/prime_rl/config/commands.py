@@ -261,9 +261,27 @@ class RLConfig(StrictModel):
 
     @property
     def num_trainer_ranks(self) -> int:
+        """Trainer ranks: `[slurm]`'s trainer nodes, else `[deployment]` (or, on one node,
+        `orchestrator.num_trainer_ranks`, the older spelling)."""
         if self.slurm is not None and self.slurm.multi_node:
             return (self.slurm.nodes - self.slurm.inference_nodes) * max(1, self.slurm.gpus_per_node)
+        if self.older_ranks_spelling:
+            return self.orchestrator.num_trainer_ranks
         return self.deployment.trainer_gpus
+
+    @property
+    def older_ranks_spelling(self) -> bool:
+        """`orchestrator.num_trainer_ranks` was written on a single-node run (it sets
+        `deployment.trainer_gpus`; ``prime_rl.resolve``)."""
+        return "num_trainer_ranks" in self.orchestrator.model_fields_set and not (self.slurm and self.slurm.multi_node)
+
+    @property
+    def lora_rank_served(self) -> int | None:
+        """The adapter rank vLLM serves up to: `inference.max_lora_rank`, else the next rank vLLM
+        accepts above `trainer.lora.rank`; None without LoRA."""
+        if self.trainer.lora is None:
+            return None
+        return self.inference.max_lora_rank or vllm_lora_rank(self.trainer.lora.rank)
 
     def replica_urls(self, hosts: list[str] | None = None) -> list[str]:
         """One URL per replica: ports `inference.port`, +1, ... on each host (default: inference.host)."""
@@ -273,7 +291,8 @@ class RLConfig(StrictModel):
 
     def _placement(self) -> None:
         """Trainer ranks and replicas come from `[deployment]` (or `[slurm]`'s nodes);
-        `orchestrator.num_trainer_ranks`, the older spelling, still works on one node."""
+        `orchestrator.num_trainer_ranks`, the older spelling, still works on one node, unless
+        it contradicts `deployment.trainer_gpus`."""
         deployment, orchestrator, tp = self.deployment, self.orchestrator, self.inference.tensor_parallel_size
         if deployment.inference_gpus % tp:
             raise ValueError(
@@ -288,43 +307,30 @@ class RLConfig(StrictModel):
             )
         if self.slurm is not None and self.slurm.multi_node and 0 < self.slurm.gpus_per_node < tp:
             raise ValueError(f"inference.tensor_parallel_size ({tp}) exceeds slurm.gpus_per_node ({self.slurm.gpus_per_node})")
-        if "num_trainer_ranks" in orchestrator.model_fields_set and not (self.slurm and self.slurm.multi_node):
-            if "trainer_gpus" in deployment.model_fields_set and deployment.trainer_gpus != orchestrator.num_trainer_ranks:
-                raise ValueError(
-                    f"conflicting values: `deployment.trainer_gpus` = {deployment.trainer_gpus} but "
-                    f"`orchestrator.num_trainer_ranks` = {orchestrator.num_trainer_ranks}; set deployment.trainer_gpus only"
-                )
-            deployment.trainer_gpus = orchestrator.num_trainer_ranks
-        orchestrator.num_trainer_ranks = self.num_trainer_ranks
-        if orchestrator.batch_size < orchestrator.num_trainer_ranks:
+        if self.older_ranks_spelling and "trainer_gpus" in deployment.model_fields_set \
+                and deployment.trainer_gpus != orchestrator.num_trainer_ranks:
+            raise ValueError(
+                f"conflicting values: `deployment.trainer_gpus` = {deployment.trainer_gpus} but "
+                f"`orchestrator.num_trainer_ranks` = {orchestrator.num_trainer_ranks}; set deployment.trainer_gpus only"
+            )
+        if orchestrator.batch_size < self.num_trainer_ranks:
             raise ValueError(
                 f"batch_size ({orchestrator.batch_size}) must be at least the trainer's ranks "
-                f"({orchestrator.num_trainer_ranks}): every rank needs a sample"
+                f"({self.num_trainer_ranks}): every rank needs a sample"
             )
 
     @model_validator(mode="after")
     def _consistent(self) -> RLConfig:
+        """Checks only: what is derived from these settings (each process's own copy of them)
+        is filled in by ``prime_rl.resolve``, once, after validation."""
         self._placement()
-        client = self.orchestrator.client
-        if "base_url" not in client.model_fields_set:
-            urls = self.replica_urls()
-            client.base_url = urls[0] if len(urls) == 1 else urls
-            client.model_fields_set.discard("base_url")
-        if client.api_key is None and self.inference.api_key is not None:
-            client.api_key = self.inference.api_key
-        if self.orchestrator.tool_call_parser is None and self.inference.tool_call_parser is not None:
-            self.orchestrator.tool_call_parser = self.inference.tool_call_parser
-            self.orchestrator.model_fields_set.discard("tool_call_parser")
         for env in self.orchestrator.env:
             if problem := registry.tool_parser_problem(env.id, registry.declares_tools(env.id), self.inference.tool_call_parser):
                 raise ValueError(problem)
         self._lora()
         self._teacher()
         # One checkpoint schedule for both processes: the orchestrator follows the trainer's.
-        if "ckpt" not in self.orchestrator.model_fields_set:
-            self.orchestrator.ckpt = self.trainer.ckpt.model_copy()
-            self.orchestrator.model_fields_set.discard("ckpt")
-        elif self.orchestrator.ckpt != self.trainer.ckpt:
+        if "ckpt" in self.orchestrator.model_fields_set and self.orchestrator.ckpt != self.trainer.ckpt:
             raise ValueError(
                 "conflicting values: `orchestrator.ckpt` differs from `trainer.ckpt`; set `[ckpt]` once for both"
             )
@@ -338,19 +344,13 @@ class RLConfig(StrictModel):
             if orchestrator.lora_adapter is not None:
                 raise ValueError("orchestrator.lora_adapter is set but `[trainer.lora]` is not: the trainer would write full weights")
             return
-        if inference.max_lora_rank is None:
-            inference.max_lora_rank = vllm_lora_rank(lora.rank)
-            inference.model_fields_set.discard("max_lora_rank")
-        elif inference.max_lora_rank < lora.rank:
+        if inference.max_lora_rank is not None and inference.max_lora_rank < lora.rank:
             raise ValueError(f"inference.max_lora_rank ({inference.max_lora_rank}) is below trainer.lora.rank ({lora.rank})")
-        if inference.max_lora_rank not in VLLM_LORA_RANKS:
-            raise ValueError(f"inference.max_lora_rank: vLLM accepts one of {list(VLLM_LORA_RANKS)}, got {inference.max_lora_rank}")
-        if orchestrator.lora_adapter is None:
-            orchestrator.lora_adapter = LORA_ADAPTER_NAME
-            orchestrator.model_fields_set.discard("lora_adapter")
+        if self.lora_rank_served not in VLLM_LORA_RANKS:
+            raise ValueError(f"inference.max_lora_rank: vLLM accepts one of {list(VLLM_LORA_RANKS)}, got {self.lora_rank_served}")
         served = inference.served_model_name or inference.model
-        if orchestrator.lora_adapter in (served, orchestrator.model):
-            raise ValueError(f"orchestrator.lora_adapter {orchestrator.lora_adapter!r} must differ from the served model's name")
+        if (orchestrator.lora_adapter or LORA_ADAPTER_NAME) in (served, orchestrator.model):
+            raise ValueError(f"orchestrator.lora_adapter {orchestrator.lora_adapter or LORA_ADAPTER_NAME!r} must differ from the served model's name")
 
 
     def _teacher(self) -> None:
@@ -593,13 +593,16 @@ class EvalRunConfig(StrictModel):
             raise ValueError(f"several [[eval]] entries are named {duplicates[0]!r}; give each a distinct `name`")
         if self.num_examples == 0:
             raise ValueError("num_examples must be -1 (all) or at least 1")
-        if self.seq_len is not None:
-            if "seq_len" in self.inference.model_fields_set and self.inference.seq_len != self.seq_len:
-                raise ValueError(
-                    f"conflicting values: `seq_len` = {self.seq_len} but `inference.seq_len` = {self.inference.seq_len}; set one of them"
-                )
-            self.inference.seq_len = self.seq_len
+        check_seq_len(self)
         return self
+
+
+def check_seq_len(config: EvalRunConfig | GepaRunConfig) -> None:
+    """`seq_len` fills `inference.seq_len` (``prime_rl.resolve``): both set must agree."""
+    if config.seq_len is not None and "seq_len" in config.inference.model_fields_set and config.inference.seq_len != config.seq_len:
+        raise ValueError(
+            f"conflicting values: `seq_len` = {config.seq_len} but `inference.seq_len` = {config.inference.seq_len}; set one of them"
+        )
 
 
 class GepaConfig(StrictModel):
@@ -690,4 +693,5 @@ class GepaRunConfig(StrictModel):
                 f"gepa.max_calls ({self.gepa.max_calls}) is smaller than one evaluation of the validation set "
                 f"(gepa.num_val = {self.gepa.num_val} rollouts): raise -B or lower -N"
             )
+        check_seq_len(self)
         return self

@@ -1,0 +1,78 @@
+"""`prime-rl inference CONFIG.toml`: the RL config's vLLM servers alone, kept warm for runs of
+that config to attach to (``prime_rl.warm``)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from prime_rl import warm
+from prime_rl.commands.common import make_dir, planned, print_help, take_resume_step
+from prime_rl.config import RLConfig
+from prime_rl.deployment import count_gpus, describe, replica_specs
+from prime_rl.launcher import run, tmux_available
+from prime_rl.ports import inference_bindings, port_problems
+from prime_rl.resolve import checked_model_path, resolve
+from prime_rl.rundir import logs_dir
+from prime_rl.settings import ConfigError, load_config, split_argv
+
+INFERENCE_FLAGS = {
+    "--no-tmux": "run headless: the server's log under SERVERS_DIR/<host>-<port>/logs/ (default when tmux is missing)",
+    "--dry-run": "write the servers' resolved configs and exit",
+}
+
+
+RUN_DIR_FLAGS = ("--clean", "--resume")
+"""A run's flags about its directory: accepted (the same command line as the run's) and
+ignored, since a server has no run directory (an attached run loads its own weights)."""
+
+
+def main(argv: list[str]) -> int:
+    """`prime-rl inference CONFIG`: the RL config's vLLM servers alone, resolved as a run
+    resolves them, kept up (under the launcher) until Ctrl-C or SIGTERM; a state file per
+    server tells runs of a compatible config to attach instead of starting their own."""
+    if not argv or "--help" in argv or "-h" in argv:
+        print_help("prime-rl inference CONFIG.toml [flags]   (the run's config and flags; runs of it attach to the servers)",
+                   RLConfig, INFERENCE_FLAGS)
+        return 0
+    argv, _ = take_resume_step(argv)
+    if "--slurm" in argv:
+        raise ConfigError("--slurm: `prime-rl inference` serves on this machine; a --slurm job starts its own servers")
+    files, flags = split_argv([a for a in argv if a not in INFERENCE_FLAGS and a not in RUN_DIR_FLAGS])
+    if not files:
+        raise ConfigError("expected a config file: prime-rl inference CONFIG.toml [flags]")
+    config = resolve(load_config(RLConfig, files, flags))
+    checked_model_path(config.inference.model, "inference.model")
+    if config.trainer.lora is not None:
+        raise ConfigError("trainer.lora: a LoRA run never attaches to a warm server (its adapter needs its own base "
+                          "weights), so no run of this config would use it; run `prime-rl CONFIG` as is")
+    placement = planned(config, count_gpus())
+    if warm_ones := [f for f in warm.find_servers(placement.replicas) if f.live]:
+        raise ConfigError(f"inference.port: a warm server (`prime-rl inference`, pid {warm_ones[0].state.pid}) serves "
+                          f"{warm_ones[0].state.url} already; runs of this config attach to it")
+    first = placement.replicas[0]
+    server_dir = warm.server_dir(first.host, first.port)
+    problems = port_problems(inference_bindings(placement))
+    if problems:
+        raise ConfigError("\n".join(problems))
+    make_dir(server_dir, f"{warm.SERVERS_DIR_ENV} ({warm.servers_dir()})")
+    config.inference.output_dir = server_dir
+    specs = replica_specs(config, server_dir, placement.nodes[0], multi=len(placement.replicas) > 1)
+    states = warm.server_states(config, placement.replicas, files, os.getpid(), logs_dir(server_dir))
+    for line in describe(placement):
+        if line.startswith("inference replica"):
+            print(f"[prime-rl] {line}", flush=True)
+    if "--dry-run" in argv:
+        print(f"[prime-rl] resolved configs written to {server_dir / 'configs'}/")
+        return 0
+    watch = warm.ServerWatch(states, config.inference.api_key, on_ready=print_ready)
+    watch.start()
+    try:
+        return run(server_dir, specs, "--no-tmux" not in argv and tmux_available(), session_name=f"prime-rl-inference-{first.port}")
+    finally:
+        watch.stop()  # after the servers stopped: no state file outlives its server
+
+
+def print_ready(state: warm.ServerState, path: Path) -> None:
+    print(f"[prime-rl] inference ready: {state.url} serving {state.model} (state: {path}); runs of this config attach "
+          "to it; Ctrl-C stops it", flush=True)

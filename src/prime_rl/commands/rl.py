@@ -1,0 +1,222 @@
+"""`prime-rl CONFIG.toml`: an RL run, the trio (inference, orchestrator, trainer) under the
+launcher, on this machine or as a SLURM job; `--resume` continues one."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+
+from prime_rl import warm
+from prime_rl.commands.common import RL_OUTPUT_DIR, checked_output_dir, make_dir, planned, print_help, take_resume_step
+from prime_rl.config import RLConfig
+from prime_rl.deployment import Placement, count_gpus, describe, plan_single_node, process_specs
+from prime_rl.launcher import run, tmux_available
+from prime_rl.ports import port_problems, rl_bindings
+from prime_rl.resolve import checked_model_path, resolve
+from prime_rl.resume import ResumeRefused, check_resumable, choose_resume_step, rewind
+from prime_rl.rundir import (
+    RUN_MARKER,
+    checkpoints_dir,
+    is_marked_run,
+    logs_dir,
+    metrics_path,
+    rollouts_dir,
+    weights_dir,
+    weights_step_dir,
+    write_run_marker,
+)
+from prime_rl.settings import ConfigError, load_config, split_argv
+
+LAUNCHER_FLAGS = {
+    "--no-tmux": "run headless: one log file per process under RUN/logs/ (default when tmux is missing)",
+    "--dry-run": "write each process's resolved config to RUN/configs/ and exit",
+    "--clean": "delete a previous run's weights, logs and metrics in the run directory first (only in a folder a prime-rl run marked: RUN/.prime-rl-run)",
+    "--resume": "continue the run in output_dir from its newest complete checkpoint",
+    "--resume-step N": "continue from checkpoint N (later weights, checkpoints and metrics rows are discarded)",
+    "--slurm": "submit the run as a SLURM job from the config's [slurm] section (with --dry-run: print the sbatch script)",
+}
+
+
+def main(argv: list[str]) -> int:
+    if not argv or "--help" in argv or "-h" in argv:
+        print_help("prime-rl CONFIG.toml [flags]   (also: prime-rl inference|sft|eval|gepa --help)", RLConfig, LAUNCHER_FLAGS)
+        return 0
+    argv, resume_step = take_resume_step(argv)
+    launcher_flags = {flag for flag in LAUNCHER_FLAGS if flag in argv}
+    dry_run, clean = "--dry-run" in launcher_flags, "--clean" in launcher_flags
+    files, flags = split_argv([a for a in argv if a not in LAUNCHER_FLAGS])
+    if not files:
+        raise ConfigError("expected a config file: prime-rl CONFIG.toml [flags]")
+    config = load_config(RLConfig, files, flags)
+    checked_model_path(config.trainer.model.name, "trainer.model.name")
+    checked_model_path(config.inference.model, "inference.model")
+    if config.teacher is not None and config.teacher.model is not None:
+        checked_model_path(config.teacher.model, "teacher.model")
+    config = resolve(config)
+    run_dir = checked_output_dir(config.trainer.output_dir, RL_OUTPUT_DIR, may_clean=True)
+
+    # Every check first: nothing in the run directory is deleted until all of them passed.
+    resuming = "--resume" in launcher_flags or resume_step is not None
+    if resuming:
+        if clean:
+            raise ConfigError("--clean and --resume contradict each other: start over or continue, not both")
+        step, leftovers = prepare_resume(config, run_dir, resume_step), []
+        print(f"[prime-rl] resuming {run_dir} from checkpoint step {step}", flush=True)
+    else:
+        step, leftovers = None, check_run_dir(run_dir, clean, dry_run)
+    start = partial(start_run_dir, run_dir, leftovers, step)  # the last step before launch, never in a dry run
+
+    if "--slurm" in launcher_flags:  # its ports are bound on the job's nodes, not here
+        if config.inference.attach:
+            raise ConfigError("inference.attach: a --slurm job starts its own servers on its nodes; drop it")
+        return submit_slurm(config, run_dir, dry_run=dry_run, tmux="--no-tmux" not in launcher_flags, start=start)
+    gpus = count_gpus()
+    placement = planned(config, gpus)
+    servers = attached_servers(config, placement, run_dir, step)  # before the port check: they hold our ports
+    check_ports(config, placement, dry_run, serve=not servers)
+    make_dir(run_dir, RL_OUTPUT_DIR)
+    specs = process_specs(config, run_dir, placement, serve=not servers)
+    show_placement(config, placement, gpus, attached=bool(servers))
+    if dry_run:
+        print(f"[prime-rl] resolved configs written to {run_dir / 'configs'}/")
+        return 0
+
+    start()
+    use_tmux = "--no-tmux" not in launcher_flags and tmux_available()
+    workers = tuple(f"env-{env.metric_name}" for env in config.orchestrator.env if env.python is not None)
+    with warm.leased(servers, run_dir):  # a warm server is left running, whatever the run's end
+        return run(run_dir, specs, use_tmux, session_name=f"prime-rl-{run_dir.name}", follow=workers, watchdog=config.watchdog)
+
+
+def attached_servers(config: RLConfig, placement: Placement, run_dir: Path, resume_step: int | None) -> list[warm.ServerState]:
+    """The warm servers (`prime-rl inference`) the run attaches to, the orchestrator pointed at
+    them; [] = the run starts its own (``prime_rl.warm`` says when and what is refused)."""
+    found = warm.find_servers(placement.replicas)
+    if not warm.attach_decision(config.inference.attach, found, config.inference.host):
+        return []
+    servers = [f.state for f in found]
+    warm.check_attachable(config, servers)
+    weights = warm.attach(config, servers, run_dir, resume_step)
+    urls = ", ".join(s.url for s in servers)
+    print(f"[prime-rl] attaching to the warm inference server at {urls} (`prime-rl inference`, pid {servers[0].pid}): "
+          f"it loads this run's weights {weights} before sampling and keeps running after the run", flush=True)
+    return servers
+
+
+def submit_slurm(config: RLConfig, run_dir: Path, dry_run: bool, tmux: bool, start: Callable[[], None]) -> int:
+    """Render the job script into RUN/slurm/ and submit it (print it with --dry-run); ``start``
+    prepares the run directory just before the submission."""
+    from prime_rl import slurm
+
+    if config.slurm is None:
+        raise ConfigError("--slurm: the config has no [slurm] section (nodes, gpus_per_node, partition, ...)")
+    make_dir(run_dir, RL_OUTPUT_DIR)
+    _, script = slurm.prepare(config, run_dir, tmux=tmux)
+    if dry_run:
+        print(script.read_text(), end="")
+        print(f"[prime-rl] sbatch script written to {script} (not submitted)", flush=True)
+        return 0
+    if shutil.which("sbatch") is None:  # checked here too: nothing is deleted before the submission can work
+        raise ConfigError("--slurm: `sbatch` is not on PATH (is this a SLURM login node?)")
+    start()
+    job_id = slurm.submit(script)
+    for line in slurm.how_to_follow(config, run_dir, job_id):
+        print(f"[prime-rl] {line}", flush=True)
+    return 0
+
+
+def show_placement(config: RLConfig, placement: Placement, gpus: int, attached: bool = False) -> None:
+    """Where each process runs; on a machine without GPUs, also where it would run on GPUs.
+    ``attached``: warm servers serve, none of the run's own (their lines are left out)."""
+    d = config.deployment
+    both = gpus == 0 and (d.inference_gpus > 1 or d.trainer_gpus > 1)  # a GPU split, run on CPU here
+    if both:
+        needed = d.inference_gpus + d.trainer_gpus
+        print(f"[prime-rl] placement on a node with {needed} GPUs (inference {d.inference_gpus}, trainer {d.trainer_gpus}):", flush=True)
+        for line in describe(plan_single_node(config, needed)):
+            print(f"[prime-rl]   {line}", flush=True)
+        print("[prime-rl] this machine shows no GPU: here the same processes run on CPU "
+              "(vLLM-CPU replicas, gloo trainer ranks):", flush=True)
+    for line in describe(placement):
+        if attached and line.startswith("inference replica"):
+            continue
+        print(f"[prime-rl]   {line}" if both else f"[prime-rl] {line}", flush=True)
+
+
+def prepare_resume(config: RLConfig, run_dir: Path, requested: int | None) -> int:
+    """Pick and check the checkpoint and point every process at it (``start_run_dir`` rewinds
+    the run directory to it, once every other check passed too)."""
+    try:
+        step = choose_resume_step(run_dir, requested)
+        check_resumable(run_dir, step, config.trainer.max_steps)
+    except ResumeRefused as e:
+        raise ConfigError(str(e)) from None
+    config.trainer.ckpt.resume_step = step
+    config.orchestrator.ckpt.resume_step = step
+    # Inference starts on the checkpoint's weights, served under the name requests use. With
+    # LoRA it serves the base model, and the orchestrator loads the checkpoint's adapter first.
+    if config.trainer.lora is None:
+        config.inference.served_model_name = config.inference.served_model_name or config.inference.model
+        config.inference.model = str(weights_step_dir(run_dir, step))
+    return step
+
+
+def run_state(run_dir: Path) -> tuple[Path, ...]:
+    """What a run leaves in its directory, and `--clean` deletes (configs/ is rewritten anyway)."""
+    return (
+        weights_dir(run_dir), checkpoints_dir(run_dir), rollouts_dir(run_dir), metrics_path(run_dir), logs_dir(run_dir),
+        run_dir / "wandb",  # W&B run ids: a fresh run starts fresh W&B runs
+    )
+
+
+def check_run_dir(run_dir: Path, clean: bool, dry_run: bool) -> list[Path]:
+    """Refuse to mix two runs in one directory unless asked to start over, and to start over in
+    one that no prime-rl run marked as its own; returns what ``--clean`` is to delete."""
+    leftovers = [p for p in run_state(run_dir) if p.exists()]
+    if not leftovers or (dry_run and not clean):
+        return []
+    names = ", ".join(p.name for p in leftovers)
+    if not clean:
+        raise ConfigError(
+            f"output_dir {str(run_dir)!r} holds a previous run ({names}); "
+            "pass --resume to continue it, --clean to start over, or choose another --output-dir"
+        )
+    if not is_marked_run(run_dir):
+        raise ConfigError(
+            f"--clean: output_dir {str(run_dir)!r} was not made by a prime-rl run (no {RUN_MARKER} marker), so its "
+            f"{names} stay; a run started before prime-rl wrote that marker has none either: delete it yourself, "
+            "continue it with --resume (which marks it), or choose another --output-dir"
+        )
+    return leftovers
+
+
+def start_run_dir(run_dir: Path, leftovers: list[Path], resume_step: int | None) -> None:
+    """The last step before launch: delete what --clean starts over from, or rewind to the resumed
+    checkpoint, then mark the directory as a run's. A resumed run keeps its marker; one made
+    before the marker existed gets it now (its complete checkpoint shows a prime-rl run made it)."""
+    for path in leftovers:
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+    if resume_step is not None:
+        for line in rewind(run_dir, resume_step):
+            print(f"[prime-rl] resume: removed {line}", flush=True)
+    if resume_step is None or not is_marked_run(run_dir):
+        write_run_marker(run_dir, kind="rl")
+
+
+def check_ports(config: RLConfig, placement: Placement, dry_run: bool, serve: bool = True) -> None:
+    """Every port the run binds must be free (without ``serve``, the inference ports are the
+    attached warm servers'); a dry run only warns (the port may be freed by the time the run
+    starts, e.g. by the run that holds it now)."""
+    problems = port_problems(rl_bindings(config, placement, serve=serve))
+    if not problems:
+        return
+    if not dry_run:
+        raise ConfigError("\n".join(problems))
+    for line in problems:
+        print(f"[prime-rl] warning: {line} (the run itself would stop here)", file=sys.stderr, flush=True)
