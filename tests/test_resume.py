@@ -35,6 +35,18 @@ def test_rewind_undoes_everything_after_the_checkpoint(tmp_path):
     assert rollouts_step_dir(tmp_path, 5).is_dir()
 
 
+def test_rewind_survives_a_row_cut_mid_write_by_the_crash(tmp_path):
+    """A process killed while appending leaves half a row: the rewind drops it (it crashed
+    with a JSONDecodeError before), and the launcher's rows without a step stay."""
+    crashed_run(tmp_path)
+    with open(metrics_path(tmp_path), "a") as f:
+        f.write('{"process": "launcher", "event": "failed", "failed": "trainer"}\n{"process": "trainer", "st')
+    removed = rewind(tmp_path, 4)
+    assert "5 metrics rows of steps >= 4" in removed
+    rows = read_jsonl(metrics_path(tmp_path))
+    assert [(r["process"], r.get("step")) for r in rows][-2:] == [("trainer", 3), ("launcher", None)]
+
+
 def write_config(tmp_path, tiny_model, max_steps=10):
     run = tmp_path / "run"
     config = tmp_path / "rl.toml"

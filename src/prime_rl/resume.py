@@ -92,14 +92,23 @@ def rewind(run_dir: Path, step: int) -> list[str]:
 
 
 def drop_metrics_from(path: Path, step: int) -> int:
-    """Rewrite metrics.jsonl without rows of steps >= ``step`` (temp file + rename); returns how many."""
+    """Rewrite metrics.jsonl without rows of steps >= ``step`` (temp file + rename); returns how
+    many. A line that is not a row (cut mid-write by the crash being resumed from) goes too."""
     if not path.exists():
         return 0
     lines = [line for line in path.read_text().splitlines() if line.strip()]
-    kept = [line for line in lines if json.loads(line).get("step", -1) < step]
+    kept = [line for line in lines if (row := json_row(line)) is not None and row.get("step", -1) < step]
     if len(kept) == len(lines):
         return 0
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("".join(line + "\n" for line in kept))
     os.replace(tmp, path)
     return len(lines) - len(kept)
+
+
+def json_row(line: str) -> dict | None:
+    try:
+        row = json.loads(line)
+    except ValueError:
+        return None
+    return row if isinstance(row, dict) else None
