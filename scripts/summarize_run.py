@@ -21,7 +21,8 @@ def mean(values: list[float]) -> float:
 
 def summarize(run_dir: Path, window: int = 5) -> dict[str, float]:
     rows = read_jsonl(metrics_path(run_dir))
-    rewards = [r["reward/mean"] for r in sorted(rows, key=lambda r: r["step"]) if r["process"] == "orchestrator" and "reward/mean" in r]
+    steps = sorted((r for r in rows if r["process"] == "orchestrator" and "reward/mean" in r), key=lambda r: r["step"])
+    rewards = [r["reward/mean"] for r in steps]
     trainer = [r for r in rows if r["process"] == "trainer" and "loss/mismatch_kl" in r]
     if not rewards or not trainer:
         raise SystemExit(f"{metrics_path(run_dir)}: no orchestrator/trainer rows; did the run start?")

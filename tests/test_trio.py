@@ -80,8 +80,9 @@ def assert_trained_and_handed_off(run_dir) -> None:
 
 
 def test_tmux_mode_shows_one_pane_per_process(tmp_path, sampling_defaults_model):
-    """The real trio in tmux: one pane per process following its log, the session gone after
-    the run, and the run itself sound (``assert_trained_and_handed_off``)."""
+    """The real trio in tmux: one pane per process following its log and the `status` pane
+    drawing the steps from metrics.jsonl, the session gone after the run, and the run itself
+    sound (``assert_trained_and_handed_off``)."""
     import libtmux
 
     proc, run_dir, tag = launch(tmp_path, sampling_defaults_model, f"tmux-{os.getpid()}")
@@ -90,21 +91,23 @@ def test_tmux_mode_shows_one_pane_per_process(tmp_path, sampling_defaults_model)
     seen: dict[str, bool] = {}
     deadline = time.monotonic() + 600
     # Each pane follows its own process's log: wait until every pane shows its process's lines.
-    while proc.poll() is None and time.monotonic() < deadline and len(seen) < 3:
+    while proc.poll() is None and time.monotonic() < deadline and len(seen) < 4:
         try:
             if server.has_session(session_name):
                 panes = server.sessions.get(session_name=session_name).active_window.panes
                 titles = [p.pane_title for p in panes]
-                if titles != ["inference", "orchestrator", "trainer"]:  # still being laid out
+                if titles != ["inference", "orchestrator", "trainer", "status"]:  # still being laid out
                     time.sleep(0.2)
                     continue
                 for pane in panes:
-                    if f"[{pane.pane_title}]" in "\n".join(pane.capture_pane()):
+                    text = "\n".join(pane.capture_pane())
+                    if f"[{pane.pane_title}]" in text or (pane.pane_title == "status" and f"/ {MAX_STEPS}" in text
+                                                          and "reward " in text):
                         seen[pane.pane_title] = True
         except Exception:  # noqa: BLE001 - the session may vanish between calls
             pass
         time.sleep(0.5)
-    assert set(seen) == {"inference", "orchestrator", "trainer"}, seen
+    assert set(seen) == {"inference", "orchestrator", "trainer", "status"}, seen
     out = finish(proc, run_dir)
     assert f"tmux attach -t {session_name}" in out
     assert not server.has_session(session_name), "the tmux session must be gone after the run"

@@ -38,6 +38,7 @@ import psutil
 
 from prime_rl.heartbeat import Beat, heartbeat_path, read_heartbeats
 from prime_rl.rundir import log_path
+from prime_rl.status import StatusOptions, StatusPrinter, record_event
 
 if TYPE_CHECKING:
     from prime_rl.config import WatchdogConfig
@@ -112,6 +113,7 @@ class Launcher:
         self.watchdog = watchdog if on else None
         self.started_unix = time.time()
         self.reported_unix: float | None = None
+        self.printer: StatusPrinter | None = None  # a headless run's periodic status (prime_rl.status)
 
     def start(self) -> None:
         self.started_unix = time.time()
@@ -154,6 +156,8 @@ class Launcher:
                 return
             if self.watchdog is not None:
                 self.watch()
+            if self.printer is not None:
+                self.printer.poll()
             time.sleep(self.poll_s)
 
     def watch(self) -> None:
@@ -252,7 +256,8 @@ CLOSE_TIMEOUT_S = 5.0  # how long closing the tmux view waits for its panes and 
 class TmuxView:
     """One tmux session, one pane per process following its log."""
 
-    def __init__(self, session_name: str, run_dir: Path, names: list[str]):
+    def __init__(self, session_name: str, run_dir: Path, names: list[str], extra: tuple[tuple[str, str], ...] = ()):
+        """A pane per process log of ``names``, then one per ``extra`` (title, command)."""
         import libtmux
 
         self.server = libtmux.Server()
@@ -262,15 +267,16 @@ class TmuxView:
         for log in logs:
             log.parent.mkdir(parents=True, exist_ok=True)
             log.touch()
+        commands = [self._follow(log) for log in logs] + [command for _, command in extra]
         self.session = self.server.new_session(
-            session_name=session_name, window_name="prime-rl", attach=False, window_command=self._follow(logs[0])
+            session_name=session_name, window_name="prime-rl", attach=False, window_command=commands[0]
         )
         window = self.session.active_window
         pane = window.active_pane
-        for log in logs[1:]:  # split the newest pane so panes stay in process order
-            pane = pane.split(shell=self._follow(log))
+        for command in commands[1:]:  # split the newest pane so panes stay in process order
+            pane = pane.split(shell=command)
         window.select_layout("even-vertical")
-        for pane, name in zip(window.panes, names):
+        for pane, name in zip(window.panes, names + [title for title, _ in extra]):
             pane.cmd("select-pane", "-T", name)
         window.set_option("pane-border-status", "top")
         self.name = session_name
@@ -317,22 +323,31 @@ def tmux_available() -> bool:
 
 def run(
     run_dir: Path, specs: list[ProcessSpec], use_tmux: bool, session_name: str, exit_code_from: str | None = None,
-    follow: tuple[str, ...] = (), watchdog: WatchdogConfig | None = None,
+    follow: tuple[str, ...] = (), watchdog: WatchdogConfig | None = None, status: StatusOptions | None = None,
 ) -> int:
     """Run the processes to completion; returns the launcher's exit code: 0, 130 after Ctrl-C,
     else 1, or the failed process's own exit code when it is ``exit_code_from`` (`prime-rl
     eval` passes on its eval process's 2 = config error, 1 = runtime failure). ``follow``
     names more logs for tmux panes: ones a process's own children write (environment workers,
-    `RUN/logs/env-<name>.log`). ``watchdog``: report and stop a run whose processes all stall."""
+    `RUN/logs/env-<name>.log`). ``watchdog``: report and stop a run whose processes all stall.
+    ``status`` (an RL run): a `status` pane in tmux, or headless the status every N steps, and
+    the launcher's events (started, finished, failed) as rows of RUN/metrics.jsonl."""
     launcher = Launcher(run_dir, specs, watchdog=watchdog)
     view = None
     logged = [s.name for s in specs if not s.terminal]
     if use_tmux:
-        view = TmuxView(session_name, run_dir, logged + list(follow))
+        extra = (("status", status.pane_command(run_dir, os.getpid())),) if status is not None else ()
+        view = TmuxView(session_name, run_dir, logged + list(follow), extra)
         print(f"[prime-rl] tmux session {session_name!r}: attach with `tmux attach -t {session_name}`", flush=True)
     elif logged:
         names = logged[0] if len(logged) == 1 else f"{{{','.join(logged)}}}"
         print(f"[prime-rl] logs: {run_dir / 'logs'}/{names}.log", flush=True)
+    if status is not None and view is None and status.every_steps:
+        launcher.printer = StatusPrinter(run_dir, status)
+
+    def event(name: str, **fields) -> None:
+        if status is not None:
+            record_event(run_dir, name, launcher.started_unix, **fields)
 
     def on_term(signum, frame):  # SIGTERM behaves like Ctrl-C
         raise KeyboardInterrupt
@@ -340,18 +355,25 @@ def run(
     previous = signal.signal(signal.SIGTERM, on_term)
     try:
         launcher.start()
+        event("started")
         launcher.wait()
+        event("finished")
+        if launcher.printer is not None:
+            launcher.printer.print()
         print("[prime-rl] run finished", flush=True)
         return 0
     except ProcessFailed as e:
+        event("failed", failed=e.name, reason=describe_exit(e.code))
         print(f"[prime-rl] {e.name} failed: it {describe_exit(e.code)}; stopping the other processes", file=sys.stderr, flush=True)
         if e.log is not None:  # a terminal process's last lines are already on screen
             print(f"[prime-rl] last lines of {e.log}:\n{tail(e.log)}", file=sys.stderr, flush=True)
         return e.code if e.name == exit_code_from and e.code > 0 else 1
     except Stalled as e:
+        event("stalled", reason=str(e))
         print(f"[prime-rl] watchdog: {e}; stopping all processes", file=sys.stderr, flush=True)
         return 1
     except KeyboardInterrupt:
+        event("interrupted")
         print("[prime-rl] interrupted; stopping all processes", file=sys.stderr, flush=True)
         return 130
     finally:

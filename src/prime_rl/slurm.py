@@ -34,6 +34,7 @@ from prime_rl.launcher import run, tmux_available
 from prime_rl.rundir import write_json_atomic
 from prime_rl.resolve import resolve
 from prime_rl.settings import ConfigError
+from prime_rl.status import StatusOptions
 
 HOSTS_VAR = "PRIME_RL_SLURM_HOSTS"
 ADDRS_VAR = "PRIME_RL_SLURM_ADDRS"
@@ -189,4 +190,5 @@ def node_main(argv: list[str]) -> int:
     for line in mine:
         print(f"[prime-rl] {name}: {line}", flush=True)
     use_tmux = "--no-tmux" not in argv and tmux_available()
-    return run(run_dir, specs, use_tmux, session_name=session_name(run_dir, name))
+    status = StatusOptions.of(config) if placement.nodes[index].orchestrator else None  # where the steps are logged
+    return run(run_dir, specs, use_tmux, session_name=session_name(run_dir, name), status=status)

@@ -21,10 +21,10 @@ INFERENCE_FLAGS = {
     "--dry-run": "write the servers' resolved configs and exit",
 }
 
-
-RUN_DIR_FLAGS = ("--clean", "--resume")
-"""A run's flags about its directory: accepted (the same command line as the run's) and
-ignored, since a server has no run directory (an attached run loads its own weights)."""
+RUN_DIR_FLAGS = ("--clean", "--resume", "--quiet")
+"""A run's flags about its directory and its status: accepted (the same command line as the
+run's) and ignored, since a server has no run directory (an attached run loads its own
+weights) and no steps."""
 
 
 def main(argv: list[str]) -> int:

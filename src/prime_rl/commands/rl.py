@@ -29,6 +29,7 @@ from prime_rl.rundir import (
     write_run_marker,
 )
 from prime_rl.settings import ConfigError, load_config, split_argv
+from prime_rl.status import StatusOptions
 
 LAUNCHER_FLAGS = {
     "--no-tmux": "run headless: one log file per process under RUN/logs/ (default when tmux is missing)",
@@ -37,6 +38,7 @@ LAUNCHER_FLAGS = {
     "--resume": "continue the run in output_dir from its newest complete checkpoint",
     "--resume-step N": "continue from checkpoint N (later weights, checkpoints and metrics rows are discarded)",
     "--slurm": "submit the run as a SLURM job from the config's [slurm] section (with --dry-run: print the sbatch script)",
+    "--quiet": "no periodic status on stdout in a headless run (the tmux session's status pane is unaffected)",
 }
 
 
@@ -88,7 +90,8 @@ def main(argv: list[str]) -> int:
     use_tmux = "--no-tmux" not in launcher_flags and tmux_available()
     workers = tuple(f"env-{env.metric_name}" for env in config.orchestrator.env if env.python is not None)
     with warm.leased(servers, run_dir):  # a warm server is left running, whatever the run's end
-        return run(run_dir, specs, use_tmux, session_name=f"prime-rl-{run_dir.name}", follow=workers, watchdog=config.watchdog)
+        return run(run_dir, specs, use_tmux, session_name=f"prime-rl-{run_dir.name}", follow=workers, watchdog=config.watchdog,
+                   status=StatusOptions.of(config, quiet="--quiet" in launcher_flags))
 
 
 def attached_servers(config: RLConfig, placement: Placement, run_dir: Path, resume_step: int | None) -> list[warm.ServerState]:

@@ -72,6 +72,7 @@ from prime_rl.config.commands import (  # noqa: F401
     SFTDataConfig,
     SHARED_FIELDS,
     SlurmConfig,
+    StatusConfig,
     TeacherConfig,
     WatchdogConfig,
     _normalized,

@@ -1,4 +1,4 @@
-"""The configs of the commands: an RL run (`prime-rl CONFIG.toml`, with `[deployment]`, `[slurm]`, `[teacher]`, `[watchdog]` and the shared fields), `sft`, `eval` and `gepa`.
+"""The configs of the commands: an RL run (`prime-rl CONFIG.toml`, with `[deployment]`, `[slurm]`, `[teacher]`, `[watchdog]`, `[status]` and the shared fields), `sft`, `eval` and `gepa`.
 
 Never imports torch or vLLM (the launcher validates configs before any process starts)."""
 
@@ -138,6 +138,17 @@ class TeacherConfig(StrictModel):
         return self
 
 
+class StatusConfig(StrictModel):
+    """What the launcher shows of a run (`[status]`), from `RUN/metrics.jsonl`
+    (``prime_rl.status``): a `status` pane in the tmux session, or a summary on stdout."""
+
+    every_steps: int = Field(10, ge=0)
+    """A headless run (`--no-tmux`) prints the status every this many steps; 0 = never (so does `--quiet`)."""
+
+    interval_s: float = Field(3.0, gt=0)
+    """Seconds between redraws of the tmux session's `status` pane."""
+
+
 class WatchdogConfig(StrictModel):
     """The launcher's watchdog (`[watchdog]`): it reads every process's heartbeat
     (`RUN/logs/<process>.heartbeat.json`) and speaks up when none of them makes progress."""
@@ -240,6 +251,9 @@ class RLConfig(StrictModel):
 
     watchdog: WatchdogConfig = WatchdogConfig()
     """Launcher's stall watchdog over the processes' heartbeats."""
+
+    status: StatusConfig = StatusConfig()
+    """The run's status: the tmux session's `status` pane, a headless run's periodic summary."""
 
     teacher: TeacherConfig | None = None
     """The teacher of on-policy distillation (`[teacher]`, with `[trainer.loss.distill]`); None = none."""
