@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The main job: build a tiny model, warm it up with SFT, then train it with async RL on
-# reverse-text (real vLLM + orchestrator + trainer), and print the reward before and after.
+# reverse-text (real vLLM + orchestrator + trainer), print the reward before and after and
+# draw the run's curves (RUN/report.png).
 #   bash scripts/quickstart.sh [extra prime-rl flags, e.g. --no-tmux or --max-steps 20]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -17,3 +18,4 @@ echo "== 3/4 async RL -> $OUT/rl"
 uv run --no-sync prime-rl configs/reverse-text/rl.toml --clean "$@"
 echo "== 4/4 summary"
 uv run --no-sync python scripts/summarize_run.py "$OUT/rl"
+uv run --no-sync prime-rl report "$OUT/rl"   # prints the PNG's path

@@ -78,3 +78,4 @@ run prime-rl "configs/$ENV_ID/rl.toml" --clean "$@"
 took "RL"
 echo "== 4/4 summary"
 run python scripts/summarize_run.py "$OUT/rl"
+run prime-rl report "$OUT/rl"   # prints the PNG's path
