@@ -58,7 +58,8 @@ def test_a_recorded_run_with_a_truncated_line_and_a_failed_process_renders(tmp_p
     last = max(r["step"] for r in recorded if r["process"] == "trainer")
     assert text.startswith(f"step {last + 1} / 40"), text
     assert "reward " in text and "mismatch KL" in text and "staleness" in text and "masked" in text, text
-    assert "trained" in text and "tok/s" in text and "generate" in text and "train " in text, text
+    assert "trained" in text and "tok/s" in text and "orchestrator s/step generate" in text, text
+    assert "trainer s/step      train" in text, text
     assert text.splitlines()[-1] == "FAILED trainer: exited with code 1", text
 
 
@@ -89,11 +90,14 @@ def test_several_environments_get_a_reward_line_each_and_the_eta_follows_the_pac
     status = summarize(read_metrics(metrics_path(tmp_path)), max_steps=10)
     assert status.rewards == {"all": [0.5, 0.5, 0.5], "a": [0.0, 0.25, 0.5], "b": [1.0, 1.0, 1.0]}
     assert status.eta_s == pytest.approx(70.0) and status.eval_reward == 0.875
-    assert status.phases == {"generate": 2.0, "wait weights": 0.5, "reload": 0.25, "train": 1.0, "wait batch": 1.5}
+    assert status.phases == {"orchestrator": {"generate": 2.0, "wait weights": 0.5, "reload": 0.25},
+                             "trainer": {"train": 1.0, "wait batch": 1.5}}
     lines = render(status, width=10)
     assert lines[0] == "step 3 / 10 · ETA 1 min 10 s"
-    assert lines[2].startswith("  a            ▁▅█  0.500 (mean of last 3: 0.250)"), lines
-    assert "eval reward    0.875" in lines
+    assert lines[2] == "  a          ▁▅█  0.500 (mean of last 3: 0.250)", lines
+    assert "eval reward  0.875" in lines
+    assert lines[-2:] == ["orchestrator s/step generate 2.00 · wait weights 0.50 · reload 0.25",
+                          "trainer s/step      train 1.00 · wait batch 1.50"], lines
     assert "mismatch KL 2.00e-04 · staleness 0.50 (max 1) · masked 12.5%" in lines
 
 
@@ -173,7 +177,7 @@ def test_the_tmux_session_gains_a_status_pane_that_ends_with_the_run(tmp_path):
             if titles.stdout.split() == ["trainer", "status"]:
                 pane = subprocess.run(["tmux", "capture-pane", "-p", "-t", "s:0.1"], env=env, capture_output=True, text=True).stdout
         assert "prime-rl status" in pane and "step 3 / 3" in pane, pane
-        assert "reward         ▁▅█  0.500 (mean of last 3: 0.250)" in pane, pane
+        assert "reward       ▁▅█  0.500 (mean of last 3: 0.250)" in pane, pane
     finally:
         release.touch()
         out, err = launcher.communicate(timeout=60)

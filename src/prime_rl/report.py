@@ -19,12 +19,12 @@ from pathlib import Path
 
 from prime_rl.rundir import metrics_path
 from prime_rl.settings import ConfigError
-from prime_rl.status import by_step, read_metrics
+from prime_rl.status import ORCHESTRATOR_PHASES, TRAINER_PHASES, by_step, read_metrics
+
+PHASE_WINDOW = 10  # steps of the time-per-phase panel's running mean
 
 COLORS = tuple(f"C{i}" for i in range(10))
 STYLES = (("-", ""), ("--", ""), (":", ""), ("-.", ""), ("-", "."), ("--", "."), (":", "."))  # (line, marker) per series
-ORCH_PHASES = (("generate", "time/generate"), ("wait weights", "time/wait_weights"), ("reload", "time/reload"))
-TRAINER_PHASES = (("train", "time/train"), ("wait batch", "time/wait_batch"), ("save weights", "time/save_weights"))
 
 
 @dataclass
@@ -148,9 +148,21 @@ def staleness_lines(run: Run) -> list[Line]:
 
 
 def phase_lines(run: Run) -> list[Line]:
-    """Seconds per step of each phase: where a step's time goes, on either side of the weights."""
-    orch = [line for name, key in ORCH_PHASES for line in series(run, name, run.orch, key)]
-    return orch + [line for name, key in TRAINER_PHASES for line in series(run, name, run.trainer, key)]
+    """Seconds per step of each phase: where a step's time goes, on either side of the weights
+    (a running mean over ``PHASE_WINDOW`` steps: one step's are too noisy to read), from step 1
+    on: step 0's waits hold the start-up."""
+    orch = [line for name, key in ORCHESTRATOR_PHASES for line in series(run, name, run.orch, key)]
+    lines = orch + [line for name, key in TRAINER_PHASES for line in series(run, name, run.trainer, key)]
+    for line in lines:
+        if len(line.x) > 1 and line.x[0] == 0:
+            line.x, line.y = line.x[1:], line.y[1:]
+        line.y = running_mean(line.y, PHASE_WINDOW)
+    return lines
+
+
+def running_mean(values: list[float], window: int) -> list[float]:
+    """The mean of each value and the up to ``window - 1`` before it."""
+    return [sum(values[max(0, i + 1 - window):i + 1]) / (i + 1 - max(0, i + 1 - window)) for i in range(len(values))]
 
 
 @dataclass(frozen=True)
@@ -160,7 +172,6 @@ class Panel:
     xlabel: str = "step"
     ylabel: str = ""
     log_if_positive: bool = False  # a log y-scale, when every value is above 0
-    startup_off_scale: bool = False  # the y-axis fits steps >= 1 (step 0 waits for the start-up)
 
 
 PANELS = (
@@ -170,7 +181,7 @@ PANELS = (
     Panel("staleness", staleness_lines, ylabel="steps"),
     Panel("entropy", lambda run: series(run, "", run.trainer, "loss/entropy")),
     Panel("completion length", lambda run: series(run, "", run.orch, "seq/completion_len_mean"), ylabel="tokens"),
-    Panel("time per phase", phase_lines, ylabel="seconds", startup_off_scale=True),
+    Panel("time per phase", phase_lines, ylabel="seconds per step (10-step mean)"),
 )
 
 
@@ -198,10 +209,6 @@ def draw_panel(ax, panel: Panel, lines: list[Line], labels: list[str]) -> None:
     ax.set(title=panel.title, xlabel=panel.xlabel, ylabel=panel.ylabel)
     if panel.log_if_positive and all(v > 0 for line in lines for v in line.y):
         ax.set_yscale("log")
-    later = [v for line in lines for x, v in zip(line.x, line.y) if x >= 1]
-    if panel.startup_off_scale and later and max(later) > 0:
-        ax.set_ylim(0, 1.1 * max(later))
-        ax.set_title(f"{panel.title} (step 0's start-up off scale)")
     if len(names) > 1:
         handles = [Line2D([], [], color="gray" if several else COLORS[k % len(COLORS)], **style(k, kinds[name]))
                    for k, name in enumerate(names)]

@@ -32,6 +32,8 @@ if TYPE_CHECKING:
     from prime_rl.config import RLConfig
 
 MEAN_WINDOW = 10  # steps of the reward's running mean
+ORCHESTRATOR_PHASES = (("generate", "time/generate"), ("wait weights", "time/wait_weights"), ("reload", "time/reload"))
+TRAINER_PHASES = (("train", "time/train"), ("wait batch", "time/wait_batch"), ("save weights", "time/save_weights"))
 SPARK = "▁▂▃▄▅▆▇█"
 
 
@@ -119,7 +121,7 @@ class Status:
     masked_frac: float | None = None
     sampled_tokens_s: float | None = None
     trained_tokens_s: float | None = None
-    phases: dict[str, float] = field(default_factory=dict)  # seconds per step, mean of the last steps
+    phases: dict[str, dict[str, float]] = field(default_factory=dict)  # process -> phase -> seconds per step (recent mean)
     failed: list[str] = field(default_factory=list)  # "trainer: exited with code 1"
     ended: str | None = None  # "finished", "failed", ... once the launcher said so
     notes: list[str] = field(default_factory=list)
@@ -152,9 +154,7 @@ def summarize(metrics: Metrics, max_steps: int | None = None, window: int = MEAN
             status.staleness = (newest["staleness/mean"], newest.get("staleness/max", newest["staleness/mean"]))
         status.sampled_tokens_s = newest.get("perf/tokens_per_s")
         recent = orch[-window:]
-        for name, key in (("generate", "time/generate"), ("wait weights", "time/wait_weights"), ("reload", "time/reload")):
-            if values := [r[key] for r in recent if key in r]:
-                status.phases[name] = sum(values) / len(values)
+        status.phases["orchestrator"] = phase_means(recent, ORCHESTRATOR_PHASES)
     if trainer:
         newest = trainer[-1]
         status.trained = newest["step"]
@@ -162,9 +162,7 @@ def summarize(metrics: Metrics, max_steps: int | None = None, window: int = MEAN
         status.masked_frac = newest.get("loss/masked_frac")
         status.trained_tokens_s = newest.get("perf/tokens_per_s")
         recent = trainer[-window:]
-        for name, key in (("train", "time/train"), ("wait batch", "time/wait_batch"), ("save weights", "time/save_weights")):
-            if values := [r[key] for r in recent if key in r]:
-                status.phases[name] = sum(values) / len(values)
+        status.phases["trainer"] = phase_means(recent, TRAINER_PHASES)
     evals = [r for r in rows if r.get("process") == "orchestrator" and "eval/reward/mean" in r]
     if evals:
         status.eval_reward = evals[-1]["eval/reward/mean"]
@@ -179,6 +177,15 @@ def summarize(metrics: Metrics, max_steps: int | None = None, window: int = MEAN
     if metrics.bad_lines:
         status.notes.append(f"{metrics.bad_lines} malformed line(s) skipped")
     return status
+
+
+def phase_means(rows: list[dict], phases: tuple[tuple[str, str], ...]) -> dict[str, float]:
+    """Seconds per step of each phase some row logged, averaged over ``rows``."""
+    means = {}
+    for name, key in phases:
+        if values := [r[key] for r in rows if key in r]:
+            means[name] = sum(values) / len(values)
+    return means
 
 
 def by_step(rows) -> list[dict]:
@@ -222,7 +229,7 @@ def duration(seconds: float) -> str:
     return f"{seconds} s"
 
 
-def render(status: Status, width: int = 40) -> list[str]:
+def render(status: Status, width: int = 30) -> list[str]:
     """The status as text lines (the pane, or a headless run's periodic summary)."""
     if status.step is None and status.trained is None:
         lines = ["waiting for the first step (no orchestrator row in metrics.jsonl yet)"]
@@ -238,10 +245,10 @@ def render(status: Status, width: int = 40) -> list[str]:
         for name, values in status.rewards.items():
             window = values[-MEAN_WINDOW:]
             label = "reward" if name == "all" else f"  {name}"
-            lines.append(f"{label:<14} {sparkline(values, width)}  {values[-1]:.3f} (mean of last {len(window)}: "
+            lines.append(f"{label:<12} {sparkline(values, width)}  {values[-1]:.3f} (mean of last {len(window)}: "
                          f"{sum(window) / len(window):.3f})")
         if status.eval_reward is not None:
-            lines.append(f"{'eval reward':<14} {status.eval_reward:.3f}")
+            lines.append(f"{'eval reward':<12} {status.eval_reward:.3f}")
         figures = []
         if status.mismatch_kl is not None:
             figures.append(f"mismatch KL {status.mismatch_kl:.2e}")
@@ -258,8 +265,9 @@ def render(status: Status, width: int = 40) -> list[str]:
             speed.append(f"trained {status.trained_tokens_s:,.0f} tok/s")
         if speed:
             lines.append(" · ".join(speed))
-        if status.phases:
-            lines.append("per step: " + " · ".join(f"{name} {value:.2f} s" for name, value in status.phases.items()))
+        for process, phases in status.phases.items():
+            if phases:
+                lines.append(f"{process + ' s/step':<19} " + " · ".join(f"{name} {value:.2f}" for name, value in phases.items()))
     for failure in status.failed:
         lines.append(f"FAILED {failure}")
     if status.ended is not None and not status.failed:
@@ -333,7 +341,7 @@ def follow(run_dir: Path, max_steps: int | None, interval_s: float, pid: int | N
     while True:
         follower.poll()
         lines = render(summarize(follower.metrics, max_steps))
-        out.write("\x1b[H\x1b[2J" + f"prime-rl status · {run_dir} · {time.strftime('%H:%M:%S')}\n\n" + "\n".join(lines) + "\n")
+        out.write("\x1b[H\x1b[2J" + f"prime-rl status · {run_dir} · {time.strftime('%H:%M:%S')}\n" + "\n".join(lines) + "\n")
         out.flush()
         if pid is not None and not psutil.pid_exists(pid):
             return 0
