@@ -229,6 +229,11 @@ def duration(seconds: float) -> str:
     return f"{seconds} s"
 
 
+def joined(*parts: tuple[object, str]) -> str:
+    """The parts whose value is known, each formatted, on one line ("" when none is)."""
+    return " · ".join(text.format(value) for value, text in parts if value is not None)
+
+
 def render(status: Status, width: int = 30) -> list[str]:
     """The status as text lines (the pane, or a headless run's periodic summary)."""
     if status.step is None and status.trained is None:
@@ -249,25 +254,13 @@ def render(status: Status, width: int = 30) -> list[str]:
                          f"{sum(window) / len(window):.3f})")
         if status.eval_reward is not None:
             lines.append(f"{'eval reward':<12} {status.eval_reward:.3f}")
-        figures = []
-        if status.mismatch_kl is not None:
-            figures.append(f"mismatch KL {status.mismatch_kl:.2e}")
-        if status.staleness is not None:
-            figures.append(f"staleness {status.staleness[0]:.2f} (max {status.staleness[1]:g})")
-        if status.masked_frac is not None:
-            figures.append(f"masked {status.masked_frac:.1%}")
-        if figures:
-            lines.append(" · ".join(figures))
-        speed = []
-        if status.sampled_tokens_s is not None:
-            speed.append(f"sampled {status.sampled_tokens_s:,.0f} tok/s")
-        if status.trained_tokens_s is not None:
-            speed.append(f"trained {status.trained_tokens_s:,.0f} tok/s")
-        if speed:
-            lines.append(" · ".join(speed))
+        lines.append(joined((status.mismatch_kl, "mismatch KL {:.2e}"), (status.staleness, "staleness {0[0]:.2f} (max {0[1]:g})"),
+                            (status.masked_frac, "masked {:.1%}")))
+        lines.append(joined((status.sampled_tokens_s, "sampled {:,.0f} tok/s"), (status.trained_tokens_s, "trained {:,.0f} tok/s")))
         for process, phases in status.phases.items():
             if phases:
                 lines.append(f"{process + ' s/step':<19} " + " · ".join(f"{name} {value:.2f}" for name, value in phases.items()))
+    lines = [line for line in lines if line]
     for failure in status.failed:
         lines.append(f"FAILED {failure}")
     if status.ended is not None and not status.failed:
