@@ -89,6 +89,7 @@ def test_tmux_mode_shows_one_pane_per_process(tmp_path, sampling_defaults_model)
     session_name = f"prime-rl-{run_dir.name}"
     server = libtmux.Server()
     seen: dict[str, bool] = {}
+    drawn = tmp_path / "status-pane.txt"  # everything the status pane draws (tmux pipe-pane)
     deadline = time.monotonic() + 600
     # Each pane follows its own process's log: wait until every pane shows its process's lines.
     while proc.poll() is None and time.monotonic() < deadline and len(seen) < 4:
@@ -100,15 +101,18 @@ def test_tmux_mode_shows_one_pane_per_process(tmp_path, sampling_defaults_model)
                     time.sleep(0.2)
                     continue
                 for pane in panes:
-                    text = "\n".join(pane.capture_pane())
-                    if f"[{pane.pane_title}]" in text or (pane.pane_title == "status" and f"/ {MAX_STEPS}" in text
-                                                          and "reward " in text):
+                    if pane.pane_title == "status" and "status" not in seen:
+                        pane.cmd("pipe-pane", "-o", f"cat >> {str(drawn)!r}")
+                        seen["status"] = True
+                    elif f"[{pane.pane_title}]" in "\n".join(pane.capture_pane()):
                         seen[pane.pane_title] = True
         except Exception:  # noqa: BLE001 - the session may vanish between calls
             pass
         time.sleep(0.5)
     assert set(seen) == {"inference", "orchestrator", "trainer", "status"}, seen
     out = finish(proc, run_dir)
+    # The status pane drew the steps from metrics.jsonl (it redraws when rows arrive)
+    assert drawn.is_file() and f"/ {MAX_STEPS}" in drawn.read_text() and "reward " in drawn.read_text()
     assert f"tmux attach -t {session_name}" in out
     assert not server.has_session(session_name), "the tmux session must be gone after the run"
     assert tagged_processes(tag) == []

@@ -268,8 +268,8 @@ class TmuxView:
             log.parent.mkdir(parents=True, exist_ok=True)
             log.touch()
         commands = [self._follow(log) for log in logs] + [command for _, command in extra]
-        self.session = self.server.new_session(
-            session_name=session_name, window_name="prime-rl", attach=False, window_command=commands[0]
+        self.session = self.server.new_session(  # sized for 4 readable panes until a client attaches
+            session_name=session_name, window_name="prime-rl", attach=False, window_command=commands[0], x=160, y=50
         )
         window = self.session.active_window
         pane = window.active_pane

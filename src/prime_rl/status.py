@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
     from prime_rl.config import RLConfig
 
 MEAN_WINDOW = 10  # steps of the reward's running mean
+CHECK_S = 0.25  # how often the pane looks for new rows (it reads only the bytes appended since)
 ORCHESTRATOR_PHASES = (("generate", "time/generate"), ("wait weights", "time/wait_weights"), ("reload", "time/reload"))
 TRAINER_PHASES = (("train", "time/train"), ("wait batch", "time/wait_batch"), ("save weights", "time/save_weights"))
 SPARK = "▁▂▃▄▅▆▇█"
@@ -329,16 +331,18 @@ class StatusPrinter:
 
 
 def follow(run_dir: Path, max_steps: int | None, interval_s: float, pid: int | None, out=sys.stdout) -> int:
-    """Redraw the status every ``interval_s`` until process ``pid`` (the launcher) is gone."""
+    """Redraw the status when new rows arrive (looked for every ``CHECK_S``) and at least every
+    ``interval_s`` (the clock and the ETA), until process ``pid`` (the launcher) is gone."""
     follower = MetricsFollower(metrics_path(run_dir))
-    while True:
-        follower.poll()
-        lines = render(summarize(follower.metrics, max_steps))
-        out.write("\x1b[H\x1b[2J" + f"prime-rl status · {run_dir} · {time.strftime('%H:%M:%S')}\n" + "\n".join(lines) + "\n")
-        out.flush()
-        if pid is not None and not psutil.pid_exists(pid):
-            return 0
-        time.sleep(interval_s)
+    drawn_at = -math.inf
+    while pid is None or psutil.pid_exists(pid):
+        if follower.poll() or time.monotonic() - drawn_at >= interval_s:
+            lines = render(summarize(follower.metrics, max_steps))
+            out.write("\x1b[H\x1b[2J" + f"prime-rl status · {run_dir} · {time.strftime('%H:%M:%S')}\n" + "\n".join(lines) + "\n")
+            out.flush()
+            drawn_at = time.monotonic()
+        time.sleep(min(CHECK_S, interval_s))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
