@@ -19,7 +19,7 @@ from pathlib import Path
 
 from prime_rl.rundir import metrics_path
 from prime_rl.settings import ConfigError
-from prime_rl.status import ORCHESTRATOR_PHASES, TRAINER_PHASES, by_step, read_metrics
+from prime_rl.status import ORCHESTRATOR_PHASES, TRAINER_PHASES, environments, read_metrics, step_rows
 
 PHASE_WINDOW = 10  # steps of the time-per-phase panel's running mean
 
@@ -83,10 +83,6 @@ def read_rows(run_dir: Path, note: Callable[[str], None]) -> list[dict] | None:
     return metrics.rows
 
 
-def step_rows(rows: list[dict], process: str, key: str) -> list[dict]:
-    return by_step(r for r in rows if r.get("process") == process and key in r)
-
-
 def load_run(run_dir: Path, label: str, note: Callable[[str], None]) -> Run | None:
     """The run's step rows; None (the reason noted) when it has none to draw."""
     rows = read_rows(run_dir, note)
@@ -120,10 +116,6 @@ def series(run: Run, name: str, rows: list[dict], key: str, x: Callable[[dict], 
     """The rows' numbers under `key` against `x`, as one line; none when no row has one."""
     pairs = [(x(r), r[key]) for r in rows if number(r.get(key)) and x(r) is not None]
     return [Line(run.label, name, [p[0] for p in pairs], [p[1] for p in pairs], points)] if pairs else []
-
-
-def environments(rows: list[dict]) -> list[str]:
-    return sorted({k.split("/")[1] for r in rows for k in r if k.startswith("reward/") and k.endswith("/mean") and k.count("/") == 2})
 
 
 def reward_lines(run: Run) -> list[Line]:

@@ -142,12 +142,11 @@ def last_run(rows: list[dict]) -> list[dict]:
 def summarize(metrics: Metrics, max_steps: int | None = None, window: int = MEAN_WINDOW) -> Status:
     rows = last_run(metrics.rows)
     status = Status(max_steps=max_steps)
-    orch = by_step(r for r in rows if r.get("process") == "orchestrator" and "reward/mean" in r)
-    trainer = by_step(r for r in rows if r.get("process") == "trainer" and "loss/policy" in r)
+    orch, trainer = step_rows(rows, "orchestrator", "reward/mean"), step_rows(rows, "trainer", "loss/policy")
     if orch:
         status.step = orch[-1]["step"]
         status.rewards["all"] = [r["reward/mean"] for r in orch]
-        envs = sorted({k.split("/")[1] for r in orch for k in r if k.startswith("reward/") and k.endswith("/mean") and k.count("/") == 2})
+        envs = environments(orch)
         if len(envs) > 1:
             for env in envs:
                 status.rewards[env] = [r[f"reward/{env}/mean"] for r in orch if f"reward/{env}/mean" in r]
@@ -188,6 +187,16 @@ def phase_means(rows: list[dict], phases: tuple[tuple[str, str], ...]) -> dict[s
         if values := [r[key] for r in rows if key in r]:
             means[name] = sum(values) / len(values)
     return means
+
+
+def step_rows(rows: list[dict], process: str, key: str) -> list[dict]:
+    """``process``'s rows that carry ``key``, one per step, in step order."""
+    return by_step(r for r in rows if r.get("process") == process and key in r)
+
+
+def environments(rows: list[dict]) -> list[str]:
+    """The environments whose mean reward (`reward/<env>/mean`) the rows carry."""
+    return sorted({k.split("/")[1] for r in rows for k in r if k.startswith("reward/") and k.endswith("/mean") and k.count("/") == 2})
 
 
 def by_step(rows) -> list[dict]:
