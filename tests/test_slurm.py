@@ -64,6 +64,25 @@ def test_one_node_job_runs_the_whole_trio_on_its_node(tmp_path):
     assert orchestrator["transport"]["host"] == "127.0.0.1" and orchestrator["transport"]["bind_host"] is None
 
 
+@pytest.mark.parametrize(
+    ("slurm", "expected"),
+    [
+        ({"cpus_per_node": 16}, ["--cpus-per-task=16", "--exclusive", "--mem=0"]),
+        ({"exclusive": False, "cpus_per_node": 16}, ["--cpus-per-task=16"]),
+        ({"sbatch_args": ["--mem=200G"]}, ["--exclusive", "--mem=200G"]),
+        ({"sbatch_args": ["--exclusive=user", "--mem-per-gpu 80G"]}, ["--exclusive=user", "--mem-per-gpu 80G"]),
+    ],
+)
+def test_a_job_takes_whole_nodes_unless_told_otherwise(tmp_path, slurm, expected):
+    """`exclusive` (the default) asks for whole nodes and all their memory; the user's own
+    exclusivity or memory options replace ours, never sit beside them (sbatch refuses two
+    memory options)."""
+    config = RLConfig.model_validate({"model": "Qwen/Qwen3-0.6B", "batch_size": 64, "slurm": {"gpus_per_node": 8, **slurm}})
+    script = render(config, tmp_path / "run", tmp_path / "run" / "slurm" / "rl.json", python="/venv/python", workdir=tmp_path)
+    ours = ("--cpus-per-task", "--exclusive", "--mem")
+    assert [line.removeprefix("#SBATCH ") for line in script.splitlines() if line.startswith(tuple(f"#SBATCH {o}" for o in ours))] == expected
+
+
 def test_four_node_job_splits_hosts_and_wires_addresses(tmp_path, monkeypatch):
     config, script, calls = rendered_job(tmp_path, {"nodes": 4, "inference_nodes": 2, "gpus_per_node": 8})
     # the script's host split: one srun for the inference nodes, one for the trainer nodes

@@ -329,6 +329,8 @@ def test_prime_rl_inference_resolves_the_runs_servers_and_refuses_what_no_run_wo
     with pytest.raises(SystemExit) as exit_info:
         main(["inference", str(config), "--dry-run", "--clean", "--resume-step", "3", "--seq-len", "128"])
     assert exit_info.value.code == 0, capsys.readouterr().err
+    command = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[prime-rl]   $ ")]
+    assert len(command) == 1 and f"--port {port} " in command[0] and "--tool-call-parser hermes" in command[0]
     written = json.loads(config_path(servers_dir / f"127.0.0.1-{port}", "inference").read_text())
     assert (written["port"], written["seq_len"], written["tool_call_parser"]) == (port, 128, "hermes")
     assert not (tmp_path / "run").exists() and not warm.state_path("127.0.0.1", port).exists()

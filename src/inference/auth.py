@@ -2,10 +2,11 @@
 
 vLLM's own `--api-key` guards only paths under /v1, /v2, /inference and /cohere, which
 leaves the dev-mode admin routes open (`/collective_rpc` loads any folder as weights,
-`/pause` stops generation) as well as `/health` and `/metrics`. `inference.server` adds
-this middleware (`--middleware inference.auth.RequireApiKey`) in place of `--api-key`
-whenever `api_key` is set; vLLM constructs it with the app alone, so the key comes from the environment
-(`PRIME_RL_INFERENCE_API_KEY`), never from the command line, where `ps` would show it.
+`/pause` stops generation) as well as `/health` and `/metrics`. The server's command line
+(``prime_rl.vllm_command``) adds this middleware (`--middleware inference.auth.RequireApiKey`)
+in place of `--api-key` whenever `api_key` is set; vLLM constructs it with the app alone, so
+the key comes from the environment (`PRIME_RL_INFERENCE_API_KEY`, ``prime_rl.keys.API_KEY_ENV``),
+never from the command line, where `ps` would show it.
 
 One route answers without the key: `GET /prime-rl/identity?nonce=<hex>`, the proof that
 this server holds the key (HMAC of the nonce, `prime_rl.keys`). The orchestrator asks it
@@ -27,9 +28,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 from urllib.parse import parse_qs
 
-from prime_rl.keys import IDENTITY_PATH, identity_proof, nonce_bytes
-
-API_KEY_ENV = "PRIME_RL_INFERENCE_API_KEY"
+from prime_rl.keys import API_KEY_ENV, IDENTITY_PATH, identity_proof, nonce_bytes
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]

@@ -21,6 +21,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +33,7 @@ from prime_rl.launcher import ProcessSpec
 from prime_rl.resolve import resolve
 from prime_rl.rundir import config_path, write_json_atomic
 from prime_rl.teacher import teacher_inference
+from prime_rl.vllm_command import shell_line
 from prime_rl.wire import DEFAULT_MAX_FRAME_BYTES, max_frame_bytes
 
 # One thread per process: the processes share the cores (docs/machine_facts.md), and
@@ -187,18 +189,28 @@ def plan_multi_node(config: RLConfig, addresses: list[str]) -> Placement:
     return Placement("cuda" if gpus else "cpu", tuple(nodes), trainer_hosts[0], bind_host=slurm.bind_host)
 
 
-def describe(placement: Placement) -> list[str]:
-    """The placement in a few lines, for `--dry-run` and the start of a run."""
+def describe(placement: Placement, config: RLConfig | None = None, replicas: bool = True) -> list[str]:
+    """The placement in a few lines, for `--dry-run` and the start of a run. With ``config``,
+    each vLLM server's command line under its line (`$ ...`, one line each, secrets redacted);
+    without ``replicas``, no inference replica (a run attached to warm servers)."""
 
     def devices(gpus: tuple[int, ...]) -> str:
         return f"GPU {','.join(map(str, gpus))}" if gpus else "CPU"
+
+    def command(where: str, server: Replica, inference: Callable[[RLConfig, Replica], InferenceConfig]) -> list[str]:
+        if config is None:
+            return []
+        # rendered for the device the placement plans (the 8-GPU view of a CPU machine's dry run
+        # too); the server itself renders for the vLLM installed on its node (vllm_command.on_cpu)
+        return [f"{where}  $ {shell_line(inference(config, server), placement.device == 'cpu', visible(server.gpus))}"]
 
     lines = []
     multi = len(placement.nodes) > 1
     for node in placement.nodes:
         where = f"node {node.node} ({node.host}): " if multi else ""
-        for r in node.replicas:
+        for r in node.replicas if replicas else ():
             lines.append(f"{where}inference replica {r.index}: vLLM on {devices(r.gpus)}, serving {r.url}")
+            lines += command(where, r, replica_inference)
         if node.orchestrator:
             lines.append(f"{where}orchestrator: CPU, {len(placement.replicas)} replica(s), batches to trainer ranks at {placement.orchestrator_host}")
         if node.trainer is not None:
@@ -207,8 +219,9 @@ def describe(placement: Placement) -> list[str]:
             if t.nnodes > 1:
                 how += f", trainer node {node.trainer_node_rank + 1} of {t.nnodes}, rendezvous {t.rdzv_endpoint}"
             lines.append(f"{where}trainer: {how} on {devices(t.gpus)} ({t.world_size} FSDP2 rank(s) in all)")
-    if placement.teacher is not None:
-        lines.append(f"teacher: vLLM on {devices(placement.teacher.gpus)}, serving {placement.teacher.url}")
+    if (teacher := placement.teacher) is not None:
+        lines.append(f"teacher: vLLM on {devices(teacher.gpus)}, serving {teacher.url}")
+        lines += command("", teacher, teacher_server)
     return lines
 
 
@@ -305,14 +318,22 @@ def replica_specs(config: RLConfig, run_dir: Path, plan: NodePlan, multi: bool) 
 
 def replica_spec(config: RLConfig, run_dir: Path, replica: Replica, python: str, multi: bool) -> ProcessSpec:
     name = f"inference-{replica.index}" if multi else "inference"
-    inference: InferenceConfig = config.inference.model_copy(update={"host": replica.host, "port": replica.port})
-    return server_spec(run_dir, name, inference, replica.gpus, python)
+    return server_spec(run_dir, name, replica_inference(config, replica), replica.gpus, python)
 
 
 def teacher_spec(config: RLConfig, run_dir: Path, teacher: Replica, python: str) -> ProcessSpec:
     """The local distillation teacher: a vLLM server of its own (``prime_rl.teacher``)."""
-    inference = teacher_inference(config).model_copy(update={"tensor_parallel_size": max(1, len(teacher.gpus))})
-    return server_spec(run_dir, "teacher", inference, teacher.gpus, python)
+    return server_spec(run_dir, "teacher", teacher_server(config, teacher), teacher.gpus, python)
+
+
+def replica_inference(config: RLConfig, replica: Replica) -> InferenceConfig:
+    """A replica's vLLM server: the run's `[inference]` on the replica's address."""
+    return config.inference.model_copy(update={"host": replica.host, "port": replica.port})
+
+
+def teacher_server(config: RLConfig, teacher: Replica) -> InferenceConfig:
+    """The local teacher's vLLM server, tensor parallel over all of its GPUs (`deployment.teacher_gpus`)."""
+    return teacher_inference(config).model_copy(update={"tensor_parallel_size": max(1, len(teacher.gpus))})
 
 
 def server_spec(run_dir: Path, name: str, inference: InferenceConfig, gpus: tuple[int, ...], python: str) -> ProcessSpec:

@@ -33,6 +33,10 @@ MAX_NONCE_BYTES = 64
 _DOMAIN = b"prime-rl identity v1|"
 REDACTED = "<redacted>"
 
+API_KEY_ENV = "PRIME_RL_INFERENCE_API_KEY"
+"""Where the inference server's middleware (`inference.auth`) reads the run's API key: the
+environment ``prime_rl.vllm_command`` gives vLLM, never its command line, where `ps` shows it."""
+
 
 # --------------------------------------------------------------------------- identity proof
 

@@ -88,6 +88,7 @@ def render(config: RLConfig, run_dir: Path, resolved: Path, *, python: str, work
         directives.append(f"--gpus-per-node={slurm.gpus_per_node}")
     if slurm.cpus_per_node:
         directives.append(f"--cpus-per-task={slurm.cpus_per_node}")
+    directives += exclusive_directives(slurm)
     if slurm.partition:
         directives.append(f"--partition={slurm.partition}")
     if slurm.account:
@@ -135,6 +136,18 @@ def render(config: RLConfig, run_dir: Path, resolved: Path, *, python: str, work
         'exit "$code"',
     ]
     return "\n".join(lines) + "\n"
+
+
+MEMORY_OPTIONS = frozenset({"--mem", "--mem-per-cpu", "--mem-per-gpu"})
+"""sbatch refuses two of them together: one in `sbatch_args` replaces our `--mem=0`."""
+
+
+def exclusive_directives(slurm: SlurmConfig) -> list[str]:
+    """`--exclusive` and `--mem=0` with `exclusive`, each unless `sbatch_args` sets that option itself."""
+    if not slurm.exclusive:
+        return []
+    given = {arg.split(maxsplit=1)[0].split("=", 1)[0] for arg in slurm.sbatch_args if arg.strip()}
+    return [*([] if "--exclusive" in given else ["--exclusive"]), *([] if given & MEMORY_OPTIONS else ["--mem=0"])]
 
 
 def submit(script: Path) -> str:

@@ -3,6 +3,7 @@ that config to attach to (``prime_rl.warm``)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -59,8 +60,8 @@ def main(argv: list[str]) -> int:
     config.inference.output_dir = server_dir
     specs = replica_specs(config, server_dir, placement.nodes[0], multi=len(placement.replicas) > 1)
     states = warm.server_states(config, placement.replicas, files, os.getpid(), logs_dir(server_dir))
-    for line in describe(placement):
-        if line.startswith("inference replica"):
+    for line in describe(dataclasses.replace(placement, teacher=None), config):  # it serves the replicas alone
+        if line.startswith(("inference replica", "  $ ")):  # each replica and its vLLM command line
             print(f"[prime-rl] {line}", flush=True)
     if "--dry-run" in argv:
         print(f"[prime-rl] resolved configs written to {server_dir / 'configs'}/")

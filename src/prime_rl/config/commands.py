@@ -69,8 +69,11 @@ class SlurmConfig(StrictModel):
     setup: list[str] = []
     """Shell lines run on every node before the job starts (`module load ...`, `source .venv/bin/activate`)."""
 
+    exclusive: bool = True
+    """Whole nodes: `#SBATCH --exclusive` and `--mem=0` (all of each node's memory), since vLLM and the trainer size themselves to the node's GPUs and memory, and another job on it would take them. false = share nodes as the cluster allows. An option `sbatch_args` already sets (`--exclusive=...`, `--mem`, `--mem-per-cpu`, `--mem-per-gpu`) is left as written there."""
+
     sbatch_args: list[str] = []
-    """Extra `#SBATCH` options as written, e.g. `--exclusive` or `--mem=0`."""
+    """Extra `#SBATCH` options as written, e.g. `--constraint=h100` or `--qos=high`."""
 
     @model_validator(mode="after")
     def _split(self) -> SlurmConfig:

