@@ -2,7 +2,7 @@
 
     python -m benchmarks.loadgen MODEL [--rounds N] [--max-num-seqs K] [--vllm-arg=--flag ...]
 
-Starts the inference server exactly as `prime-rl` does (`inference.server.vllm_command`),
+Starts the inference server exactly as `prime-rl` does (`prime_rl.vllm_command`),
 then sends rounds of the quickstart's sampling: every round, 32 reverse-text prompts as
 token ids, `n` = 8 completions each, 16 new tokens at temperature 1 with logprobs, all at
 once (as one orchestrator step asks). Prints one JSON line: seconds per round (median of
@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import socket
 import statistics
 import subprocess
@@ -105,13 +106,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--env", action="append", default=[], help="extra KEY=VALUE for the server (repeatable)")
     args = parser.parse_args(argv)
 
-    from inference.server import vllm_command, vllm_env
     from prime_rl.config import InferenceConfig
+    from prime_rl.vllm_command import vllm_command, vllm_env
 
     port = free_port()
     sizes = {} if args.max_num_seqs is None else {"max_num_seqs": args.max_num_seqs}
     cfg = InferenceConfig(model=str(args.model), port=port, seq_len=args.seq_len, extra_args=args.vllm_arg, **sizes)
-    env = vllm_env(cfg, cpu=True) | dict(kv.split("=", 1) for kv in args.env)
+    env = vllm_env(cfg, cpu=True, inherited=os.environ) | dict(kv.split("=", 1) for kv in args.env)
     batch = prompts(args.model, args.groups)
     t0 = time.time()
     log = args.log.open("w")
@@ -130,7 +131,6 @@ def main(argv: list[str] | None = None) -> int:
         startup = time.time() - t0
         result = asyncio.run(drive(port, str(args.model), batch, args.rounds, args.n, args.max_tokens, psutil.Process(proc.pid)))
     finally:
-        import os
         import signal
 
         os.killpg(proc.pid, signal.SIGTERM)
