@@ -45,7 +45,8 @@ import torch
 from prime_rl.config import LossConfig, TrainerConfig
 from prime_rl.wire import MicroBatch, make_sample, sample_arrays
 from trainer.data import MicroTensors, collate, model_mask
-from trainer.loss import policy_loss, scored_logprobs
+from trainer.loss import policy_loss
+from trainer.head import install_token_head
 from trainer.model import forward_logits
 from trainer.packing import lay_out, plan_blocks, plan_rows
 
@@ -77,7 +78,7 @@ def packed_to(micro: MicroBatch, budget: int, share: bool) -> MicroTensors:
     blocks = plan_blocks(list(ids), list(masks), share)
     layout = lay_out(list(ids), blocks, plan_rows([b.length([len(x) for x in ids]) for b in blocks], budget), 0)
     return replace(mt, model_ids=torch.from_numpy(layout.ids), model_positions=torch.from_numpy(layout.positions),
-                   model_mask=torch.from_numpy(model_mask(layout)), source=torch.from_numpy(layout.source))
+                   model_mask=model_mask(layout, torch.device("cpu")), source=torch.from_numpy(layout.source))
 
 
 def layouts(micro: MicroBatch, share: bool) -> dict[str, MicroTensors]:
@@ -95,9 +96,10 @@ TIMED = ("rows", "packed", "packed_to_seq_len")
 def loss_pass(model, mt: MicroTensors) -> float:
     """Seconds of one forward + loss + backward, as ``trainer.rl.micro_step`` runs them."""
     t0 = time.perf_counter()
-    logits = forward_logits(model, mt.model_ids, mt.model_mask, mt.model_positions, mt.cu_seqlens, mt.max_seqlen)
+    scores = forward_logits(model, mt.model_ids, mt.model_mask, mt.model_positions, mt.cu_seqlens, mt.max_seqlen,
+                            query=mt.head_query(1.0))
     loss_mask = mt.loss_mask[:, 1:]
-    lp, _ = scored_logprobs(logits, mt.source, mt.input_ids, loss_mask, 1.0)
+    lp = torch.zeros(loss_mask.shape).masked_scatter(loss_mask, scores["logprobs"])
     loss, _ = policy_loss(lp, mt.inference_logprobs[:, 1:], mt.advantages, loss_mask, LossConfig(), int(loss_mask.sum()))
     loss.backward()
     model.zero_grad(set_to_none=True)
@@ -146,6 +148,7 @@ def run(repeats: int) -> list[dict]:
         for model_name, path in build_models(Path(tmp)).items():
             torch.manual_seed(0)
             model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+            install_token_head(model)  # the trainer's output layer: scores of the loss tokens only
             model.train()
             for regime, completions in REGIMES.items():
                 for layout, row in measure(model, micro_batch(completions), repeats).items():

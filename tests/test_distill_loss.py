@@ -258,7 +258,7 @@ def test_train_step_with_top_k_adds_the_kl_loss_and_logs_it(tiny_model):
     row = step_metrics(stats, {"train": 1.0}, step=4, distill=DistillConfig(top_k=2))
     assert row["loss/reverse_kl_top_k"] == pytest.approx(stats["top_k_kl_sum"] / 7)
     assert "loss/reverse_kl_top_k" not in step_metrics(stats, {"train": 1.0}, step=4, distill=DistillConfig())
-    with pytest.raises(ValueError, match=r"top-k rows \(4, 2\) do not match the micro-batch's 4 loss tokens x .*top_k 3"):
+    with pytest.raises(ValueError, match=r"top-k rows \(7, 2\) do not match the micro-batch's 7 loss tokens x .*top_k 3"):
         one_step(tiny_model, samples, DistillConfig(top_k=3))
     with pytest.raises(ValueError, match=r"a micro-batch carries no top-2 tokens of the teacher"):
         one_step(tiny_model, [sample(6), sample(5)], DistillConfig(top_k=2))

@@ -55,7 +55,7 @@ def test_a_group_shares_its_prompt_and_the_layout_is_as_drawn():
     # flat indices (row * 9 + column) of each sample's tokens; 0 past a sample's end
     assert layout.source.tolist() == [[0, 1, 2, 3, 4, 5, 0], [0, 1, 2, 3, 6, 7, 8], [9, 10, 11, 0, 0, 0, 0]]
     assert layout.shared and not layout.packed
-    allowed = attention_allowed(layout.blocks, layout.segments)[0, 0].astype(int)
+    allowed = allowed_mask(layout)[0, 0].int().numpy()
     assert allowed.tolist() == [
         [1, 0, 0, 0, 0, 0, 0, 0, 0],
         [1, 1, 0, 0, 0, 0, 0, 0, 0],
@@ -67,7 +67,7 @@ def test_a_group_shares_its_prompt_and_the_layout_is_as_drawn():
         [1, 1, 1, 1, 0, 0, 1, 1, 0],
         [1, 1, 1, 1, 0, 0, 1, 1, 1],
     ]
-    padded_row = attention_allowed(layout.blocks, layout.segments)[1, 0].astype(int)
+    padded_row = allowed_mask(layout)[1, 0].int().numpy()
     assert padded_row[:3, :3].tolist() == [[1, 0, 0], [1, 1, 0], [1, 1, 1]]
     assert padded_row[3:, :].tolist() == np.eye(9, dtype=int)[3:].tolist()  # padding sees only itself
 
@@ -121,7 +121,7 @@ def test_a_packed_row_holds_a_shared_block_and_samples_each_attending_only_to_it
     assert layout.source.tolist() == [
         [0, 1, 2, 3, 4, 5, 0], [0, 1, 2, 3, 6, 7, 8], [9, 10, 11, 0, 0, 0, 0], [12, 13, 14, 15, 16, 0, 0]]
     assert layout.shared and layout.packed
-    allowed = attention_allowed(layout.blocks, layout.segments)[1, 0].astype(int)
+    allowed = allowed_mask(layout)[1, 0].int().numpy()
     assert allowed.tolist() == [
         [1, 0, 0, 0, 0, 0, 0, 0, 0],
         [1, 1, 0, 0, 0, 0, 0, 0, 0],
@@ -170,6 +170,11 @@ def test_collate_for_the_varlen_kernel_passes_boundaries_and_no_mask():
     tm.forward_logits(Recorder(), mt.model_ids, mt.model_mask, mt.model_positions, mt.cu_seqlens, mt.max_seqlen)
     assert "attention_mask" not in seen and seen["position_ids"] is mt.model_positions
     assert seen["cu_seq_lens_q"] is mt.cu_seqlens and seen["max_length_k"] == 4
+
+
+def allowed_mask(layout):
+    """``attention_allowed`` of a layout's block and segment ids (built on the device, here CPU)."""
+    return attention_allowed(torch.from_numpy(layout.blocks), torch.from_numpy(layout.segments))
 
 
 # --------------------------------------------------------------------------- against the model
@@ -248,11 +253,13 @@ def test_every_layout_gives_the_logprobs_loss_and_gradients_of_one_row_per_sampl
     from transformers import AttentionInterface, AutoModelForCausalLM
     from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
 
-    from trainer.loss import policy_loss, scored_logprobs
+    from trainer.head import install_token_head
+    from trainer.loss import policy_loss
     from trainer.model import forward_logits, packing_support, shared_prefix_support
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(family_models[arch], dtype=torch.float32)
+    install_token_head(model)
     assert shared_prefix_support(model) is None and packing_support(model) is None
     rng = np.random.default_rng(0)
     micro = MicroBatch(samples=group_samples(rng) + single_samples(rng))
@@ -263,9 +270,10 @@ def test_every_layout_gives_the_logprobs_loss_and_gradients_of_one_row_per_sampl
         model.set_attn_implementation("varlen_reference" if varlen else "sdpa")
         model.zero_grad()
         mt = collate(micro, 64, 0, torch.device("cpu"), share_prefix=share, pack=pack, varlen=varlen)
-        logits = forward_logits(model, mt.model_ids, mt.model_mask, mt.model_positions, mt.cu_seqlens, mt.max_seqlen)
+        scores = forward_logits(model, mt.model_ids, mt.model_mask, mt.model_positions, mt.cu_seqlens, mt.max_seqlen,
+                                query=mt.head_query(0.7))
         loss_mask = mt.loss_mask[:, 1:]
-        lp, _ = scored_logprobs(logits, mt.source, mt.input_ids, loss_mask, 0.7)
+        lp = torch.zeros(loss_mask.shape).masked_scatter(loss_mask, scores["logprobs"])
         loss, _ = policy_loss(lp, mt.inference_logprobs[:, 1:], mt.advantages, loss_mask, LossConfig(), 30)
         loss.backward()
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}

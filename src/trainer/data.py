@@ -25,7 +25,10 @@ from prime_rl.config import TransportConfig
 from prime_rl.wire import (
     DEFAULT_MAX_FRAME_BYTES, MicroBatch, TrainBatch, WireError, decode_batch, sample_arrays, teacher_array, teacher_top_arrays,
 )
-from trainer.packing import Layout, attention_allowed, lay_out, plan_blocks, plan_rows, row_budget, varlen_boundaries
+from trainer.head import HeadQuery
+from trainer.packing import (
+    Layout, attention_allowed, lay_out, plan_blocks, plan_micro_batches, plan_rows, row_budget, varlen_boundaries,
+)
 
 
 # Socket events that mean libzmq dropped the connection to the orchestrator, or failed its
@@ -182,6 +185,16 @@ class MicroTensors:
     def num_real_tokens(self) -> int:
         return int(self.attention_mask.sum())
 
+    def head_query(self, temperature: float) -> HeadQuery:
+        """What the model's head scores (``trainer.head``): at every loss token, in row-major
+        (sample, position) order, the position holding the token before it and the token itself;
+        with the teacher's top-k there (``teacher_top_ids`` rows follow the same order)."""
+        loss_mask = self.loss_mask[:, 1:]
+        return HeadQuery(
+            positions=self.source[:, :-1][loss_mask], targets=self.input_ids[:, 1:][loss_mask], temperature=temperature,
+            top_ids=self.teacher_top_ids, top_logprobs=self.teacher_top_logprobs,
+        )
+
 
 def right_pad(rows: list[np.ndarray], fill, dtype) -> np.ndarray:
     """Stack 1-d rows into [B, max length], filling each row's tail with ``fill``."""
@@ -189,6 +202,17 @@ def right_pad(rows: list[np.ndarray], fill, dtype) -> np.ndarray:
     for b, row in enumerate(rows):
         out[b, : len(row)] = row
     return out
+
+
+def micro_batches(batch: TrainBatch, seq_len: int, budget: int, share_prefix: bool) -> list[MicroBatch]:
+    """A rank's samples of a step (however the orchestrator chunked them on the wire) cut into
+    micro-batches of at most ``budget`` model tokens (``trainer.micro_batch_tokens``,
+    ``packing.plan_micro_batches``): memory is bounded by tokens, not by a count of samples
+    whose lengths may range from ten tokens to ``seq_len``."""
+    samples = [s for m in batch.micro_batches for s in m.samples]
+    arrays = [sample_arrays(s) for s in samples]
+    ids, masks = [a[0][:seq_len] for a in arrays], [a[1][:seq_len] for a in arrays]
+    return [MicroBatch(samples=[samples[i] for i in group]) for group in plan_micro_batches(ids, masks, budget, share_prefix)]
 
 
 def collate(
@@ -221,7 +245,7 @@ def collate(
         num_truncated=sum(len(a[0]) > seq_len for a in arrays),
         model_ids=tensor(layout.ids),
         model_positions=tensor(layout.positions),
-        model_mask=None if varlen else tensor(model_mask(layout)),
+        model_mask=None if varlen else model_mask(layout, device),
         source=tensor(layout.source),
         num_model_tokens=int((layout.segments >= 0).sum()),
         cu_seqlens=None if boundaries is None else tensor(boundaries),
@@ -270,9 +294,11 @@ def all_or_none(values: list, what: str) -> list | None:
     return values
 
 
-def model_mask(layout: Layout) -> np.ndarray:
+def model_mask(layout: Layout, device: torch.device) -> torch.Tensor:
     """[R, L] int64 padding mask when every row holds one plain sample (the attention's own
-    causal mask does the rest), else the [R, 1, L, L] bool block mask."""
+    causal mask does the rest), else the [R, 1, L, L] bool block mask, built on ``device``
+    from the [R, L] block and segment ids (``packing.attention_allowed``)."""
     if layout.shared or layout.packed:
-        return attention_allowed(layout.blocks, layout.segments)
-    return (layout.segments >= 0).astype(np.int64)
+        blocks, segments = (torch.from_numpy(a).to(device) for a in (layout.blocks, layout.segments))
+        return attention_allowed(blocks, segments)
+    return torch.from_numpy((layout.segments >= 0).astype(np.int64)).to(device)

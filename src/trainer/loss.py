@@ -33,23 +33,6 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: f
     return selective_log_softmax(scaled, input_ids[:, 1:])
 
 
-def scored_logprobs(
-    logits: torch.Tensor, source: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor, temperature: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logprobs of the loss tokens only, read from wherever the model computed them.
-
-    logits [R, L, V] of the model rows; source [B, T] flat index into R * L of the position
-    holding token t of sample b; input_ids [B, T]; loss_mask [B, T-1] bool, where position t
-    scores token t+1 (as ``token_logprobs``). Returns (logprobs [B, T-1] float32, 0 off the
-    mask; the scoring logits [N, V] of the N loss tokens, divided by ``temperature``).
-    Only N rows of the vocabulary are normalised, not all R * L.
-    """
-    scoring = logits.flatten(0, 1)[source[:, :-1][loss_mask]].float() / temperature  # [N, V]
-    chosen = selective_log_softmax(scoring, input_ids[:, 1:][loss_mask])  # [N]
-    out = torch.zeros(loss_mask.shape, dtype=torch.float32, device=logits.device)
-    return out.masked_scatter(loss_mask, chosen), scoring
-
-
 @torch.no_grad()
 def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """Entropy (nats) of softmax(logits / temperature) per position: [..., V] -> [...] float32."""

@@ -23,22 +23,27 @@ before the first policy token, so nothing a loss is computed on is shared. On th
 (74-token prompts, 6-token completions, groups of 8) that saves 90% of the tokens; long
 completions after a short prompt stay separate samples.
 
+Micro-batches (``plan_micro_batches``): a rank's samples are cut into micro-batches of at most
+``trainer.micro_batch_tokens`` tokens, counted as the model computes them (a shared prefix
+once), by the same first-fit decreasing packing of blocks as rows, so a group that shares its
+prompt stays in one micro-batch where it fits.
+
 Rows (``plan_rows``): blocks are packed first-fit decreasing (longest block first, into the
 first row with room, each row then listing its blocks in order) up to a token budget
 (``row_budget``).
 
 - With a mask (sdpa, eager; on CPU and wherever flash-attention is missing) the budget is
   the micro-batch's longest block, and ``attention_allowed`` builds the dense [R, 1, L, L]
-  boolean mask from the block and segment ids. Rows are then never wider than the widest
+  boolean mask from the block and segment ids, on the device the model runs on. Rows are then never wider than the widest
   row of one block per row, so packing never adds tokens or attention area (a dense mask
   computes every masked pair too); it only fills padding with whole samples. A budget of
   ``seq_len`` removes little more padding at up to twice the attention area:
   ``benchmarks/packing.py`` measured it no faster than the longest block in any regime.
   Where no two samples fit in the longest (generation-heavy: samples of 130-200 tokens)
   the rows are those of the unpacked layout.
-- With flash-attention's variable-length kernel (``trainer.model.attn_implementation =
-  "flash_attention_2"`` on CUDA, after ``uv pip install flash-attn --no-build-isolation``)
-  there is no mask and no padding: every block goes into one row, and the kernel attends
+- With flash-attention's variable-length kernel (any flash-attention ``trainer.model.
+  attn_implementation``; the default on CUDA where `flash-attn` is installed, README
+  "Installing") there is no mask and no padding: every block of a micro-batch goes into one row, and the kernel attends
   within the boundaries ``varlen_boundaries`` gives it (``cu_seqlens``, passed to
   transformers as ``cu_seq_lens_q/k``). That layout takes no shared prefix: the kernel's
   sequences are contiguous, a rollout's attention to its prompt is not.
@@ -49,6 +54,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 
 @dataclass(frozen=True)
@@ -145,6 +151,18 @@ def plan_rows(sizes: list[int], budget: int | None) -> list[tuple[int, ...]]:
     return [tuple(sorted(row)) for row in rows]
 
 
+def plan_micro_batches(ids: list[np.ndarray], masks: list[np.ndarray], budget: int, share: bool) -> list[list[int]]:
+    """Sample indices of each micro-batch: blocks (``plan_blocks``) packed first-fit decreasing
+    into micro-batches of at most ``budget`` tokens (a block above it alone), each micro-batch
+    listing its samples in order."""
+    if not ids:
+        return []
+    blocks = plan_blocks(ids, masks, share)
+    lengths = [len(x) for x in ids]
+    bins = plan_rows([b.length(lengths) for b in blocks], budget)
+    return [[m for b in group for m in blocks[b].members] for group in bins]
+
+
 def row_budget(sizes: list[int], pack: bool, varlen: bool) -> int | None:
     """The token budget of a row (see the module docstring): None (no packing), the longest
     block (a mask's attention area never grows), or every token (the varlen kernel)."""
@@ -188,16 +206,18 @@ def fill_block(ids, block: Block, r: int, at: int, L: int, out_ids, positions, s
     return at
 
 
-def attention_allowed(blocks: np.ndarray, segments: np.ndarray) -> np.ndarray:
-    """bool [R, 1, L, L]: query q may attend to key k. Causal, within the query's own block,
-    and there within its own segment or the block's shared prefix; a padding query attends
-    only to itself (its output is never used, and a row of its own keeps the softmax finite)."""
+def attention_allowed(blocks: torch.Tensor, segments: torch.Tensor) -> torch.Tensor:
+    """bool [R, 1, L, L] from the int64 [R, L] block and segment ids, built where they lie (on the
+    GPU in a GPU run: only [R, L] ids cross from the host, never an [L, L] mask): query q may
+    attend to key k causally, within the query's own block, and there within its own segment or
+    the block's shared prefix; a padding query attends only to itself (its output is never
+    used, and a row of its own keeps the softmax finite)."""
     L = segments.shape[1]
     q_seg, k_seg = segments[:, :, None], segments[:, None, :]
     same_block = blocks[:, :, None] == blocks[:, None, :]
-    causal = np.tril(np.ones((L, L), dtype=bool))[None]
+    causal = torch.ones(L, L, dtype=torch.bool, device=segments.device).tril()[None]
     allowed = causal & same_block & (q_seg >= 0) & (k_seg >= 0) & ((k_seg == 0) | (k_seg == q_seg))
-    allowed |= (q_seg < 0) & np.eye(L, dtype=bool)[None]
+    allowed |= (q_seg < 0) & torch.eye(L, dtype=torch.bool, device=segments.device)[None]
     return allowed[:, None]
 
 

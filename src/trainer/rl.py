@@ -27,12 +27,11 @@ from prime_rl.rundir import checkpoint_step_dir
 from prime_rl.settings import run_process
 from prime_rl.wire import TrainBatch
 from trainer.ckpt import checkpoint_due, load_checkpoint, save_checkpoint
-from trainer.data import BatchReceiver, MicroTensors, collate
-from trainer.loss import (
-    distill_advantages, entropy_from_logits, policy_loss, reverse_kl_sum, scored_logprobs, top_k_reverse_kl,
-)
+from trainer.data import BatchReceiver, MicroTensors, collate, micro_batches
+from trainer.head import HeadQuery
+from trainer.loss import distill_advantages, policy_loss, reverse_kl_sum
 from trainer.model import (
-    World, forward_logits, load_model, packing_support, setup_world, shared_prefix_support, teardown_world, uses_varlen,
+    DTYPES, World, forward_logits, load_model, packing_support, setup_world, shared_prefix_support, teardown_world, uses_varlen,
 )
 from trainer.optim import build_optimizer, clip_and_step
 from trainer.weights import save_weights
@@ -140,7 +139,7 @@ def publish_weights(model: nn.Module, cfg: TrainerConfig, version: int, world: W
     """Write ``weights/step_{version}``; returns how many ranks wrote it, summed over ranks.
     Logged as ``weights/writers``, it must be 1: every rank gathers, exactly one writes (a
     second writer would race on the same folder and its marker)."""
-    folder = save_weights(model, cfg.output_dir, version, cfg.weights.keep_last, cfg.model.name)
+    folder = save_weights(model, cfg.output_dir, version, cfg.weights.keep_last, cfg.model.name, DTYPES[cfg.model.dtype])
     return int(all_reduce(scalar(folder is not None, world), dist.ReduceOp.SUM))
 
 
@@ -166,8 +165,10 @@ def train_step(
 ) -> dict[str, float]:
     """Forward/backward every micro-batch, then clip and step. Returns step-wide stats."""
     pad_id = getattr(model.config, "pad_token_id", None) or 0
-    varlen = uses_varlen(model)
-    micros = [collate(m, cfg.seq_len, pad_id, world.device, cfg.share_prefix, cfg.pack, varlen) for m in batch.micro_batches]
+    varlen = uses_varlen(model) and cfg.pack
+    share = cfg.share_prefix and not varlen
+    micros = [collate(m, cfg.seq_len, pad_id, world.device, share, cfg.pack, varlen)
+              for m in micro_batches(batch, cfg.seq_len, cfg.micro_batch_tokens, share)]
     check_teacher(micros, cfg.loss.distill, batch.step)
     # Step-wide normalisers, identical on every rank. Position 0 is never scored (no prefix).
     local_tokens = sum(loss_token_count(m, cfg.loss.denominator, cfg.loss.distill) for m in micros)
@@ -185,7 +186,8 @@ def train_step(
     sums = all_reduce(sums, dist.ReduceOp.SUM)
     versions = [s.policy_version for m in batch.micro_batches for s in m.samples]
     min_version = all_reduce(scalar(min(versions, default=10**9), world), dist.ReduceOp.MIN)
-    return {**dict(zip(SUM_KEYS, sums.tolist())), "grad_norm": grad_norm, "lr": lr, "min_version": float(min_version)}
+    return {**dict(zip(SUM_KEYS, sums.tolist())), "grad_norm": grad_norm, "lr": lr, "min_version": float(min_version),
+            "micro_batches": float(num_micro)}
 
 
 def check_teacher(micros: list[MicroTensors], distill: DistillConfig | None, step: int) -> None:
@@ -217,7 +219,7 @@ def token_advantages(
 
     RL: the samples' own advantages [B] untouched, and a KL of 0. Distillation: per-token
     advantages [B, T-1] from ``distill_advantages``; with ``top_k`` the KL is a loss of its
-    own (``top_k_loss``), so the advantages are the weighted group advantages [B] alone.
+    own (the head's ``top_k_kl``, ``micro_step``), so the advantages are the weighted group advantages [B] alone.
     inference_lp and loss_mask [B, T-1] are already shifted (position t scores token t+1);
     the teacher's logprobs are shifted alike.
     """
@@ -232,41 +234,44 @@ def token_advantages(
     return distill_advantages(mt.advantages, inference_lp, teacher_lp, loss_mask, distill), kl_sum
 
 
-def top_k_loss(mt: MicroTensors, scoring: torch.Tensor, distill: DistillConfig | None) -> torch.Tensor | None:
-    """Each loss token's top-k reverse KL to the teacher [N] (with gradient), or None when
-    the loss asks for none. scoring [N, V]: the student's tempered logits at the N loss tokens."""
+def check_top_k(mt: MicroTensors, distill: DistillConfig | None) -> None:
+    """Top-k distillation needs the teacher's top-k at every loss token of the micro-batch."""
     if distill is None or not distill.top_k:
-        return None
+        return
     if mt.teacher_top_ids is None or mt.teacher_top_logprobs is None:
         raise no_teacher("a micro-batch", f"top-{distill.top_k} tokens of the teacher")
-    if mt.teacher_top_ids.shape != (scoring.shape[0], distill.top_k):
+    n = int(mt.loss_mask[:, 1:].sum())
+    if mt.teacher_top_ids.shape != (n, distill.top_k):
         raise ValueError(
             f"the teacher's top-k rows {tuple(mt.teacher_top_ids.shape)} do not match the micro-batch's "
-            f"{scoring.shape[0]} loss tokens x trainer.loss.distill.top_k {distill.top_k}"
+            f"{n} loss tokens x trainer.loss.distill.top_k {distill.top_k}"
         )
-    return top_k_reverse_kl(scoring, mt.teacher_top_ids, mt.teacher_top_logprobs)
 
 
 def micro_step(
     model: nn.Module, mt: MicroTensors, temperature: float, loss_cfg: LossConfig, num_tokens: int, world_size: int
 ) -> torch.Tensor:
     """Forward + backward one micro-batch; returns its SUM_KEYS vector (detached)."""
-    logits = forward_logits(model, mt.model_ids, mt.model_mask, mt.model_positions, mt.cu_seqlens, mt.max_seqlen)  # [R, L, V]
+    check_top_k(mt, loss_cfg.distill)
+    # The head scores the N loss tokens only (trainer.head): logprobs [N] with gradient,
+    # entropy [N] without, the top-k KL [N] when distilling with top_k.
+    scores = forward_logits(model, mt.model_ids, mt.model_mask, mt.model_positions, mt.cu_seqlens, mt.max_seqlen,
+                            query=mt.head_query(temperature))
     # Position t of these scores token t+1 of each sample, on the inference side too.
     inference_lp, loss_mask = mt.inference_logprobs[:, 1:], mt.loss_mask[:, 1:]
-    trainer_lp, scoring = scored_logprobs(logits, mt.source, mt.input_ids, loss_mask, temperature)  # [B, T-1]
+    trainer_lp = torch.zeros(loss_mask.shape, dtype=torch.float32, device=loss_mask.device).masked_scatter(
+        loss_mask, scores["logprobs"])  # [B, T-1], 0 off the mask
     advantages, kl_sum = token_advantages(mt, inference_lp, loss_mask, loss_cfg.distill)
     loss, stats = policy_loss(trainer_lp, inference_lp, advantages, loss_mask, loss_cfg, num_tokens)
-    top_kl = top_k_loss(mt, scoring, loss_cfg.distill)  # [N] or None
+    top_kl = scores.get("top_k_kl") if loss_cfg.distill is not None and loss_cfg.distill.top_k else None
     if top_kl is not None:  # the step's token mean, like the policy loss
         loss = loss + loss_cfg.distill.kl_weight * top_kl.sum() / num_tokens
-    entropy = entropy_from_logits(scoring)  # [N loss tokens], no grad; already divided by temperature
     # FSDP averages gradients over ranks; the loss is already a global token mean, so undo it.
     (loss * world_size).backward()
     values = {
         **stats,
         "loss_sum": loss.detach(),
-        "entropy_sum": entropy.sum(),
+        "entropy_sum": scores["entropy"].sum(),  # already of logits / temperature
         "samples": torch.tensor(float(mt.input_ids.shape[0])),
         "tokens": torch.tensor(float(mt.num_real_tokens)),
         "model_tokens": torch.tensor(float(mt.num_model_tokens)),
@@ -280,8 +285,9 @@ def micro_step(
 def lockstep_step(model: nn.Module, world: World) -> None:
     """A zero-gradient pass so this rank joins the FSDP collectives of a pass it has no data for."""
     ids = torch.zeros(1, 2, dtype=torch.long, device=world.device)
-    logits = forward_logits(model, ids, torch.ones_like(ids))
-    (logits.sum() * 0.0).backward()
+    query = HeadQuery(positions=ids[0, :1], targets=ids[0, :1], temperature=1.0)
+    scores = forward_logits(model, ids, torch.ones_like(ids), query=query)
+    (scores["logprobs"].sum() * 0.0).backward()
 
 
 def scalar(value: float, world: World) -> torch.Tensor:
@@ -312,6 +318,7 @@ def step_metrics(
         "optim/lr": s["lr"],
         "perf/tokens_per_s": s["tokens"] / max(timings["train"], 1e-9),
         "perf/model_tokens": int(s["model_tokens"]),
+        "perf/micro_batches": int(s["micro_batches"]),  # the most any rank ran (trainer.micro_batch_tokens)
         "perf/samples": int(s["samples"]),
         "perf/loss_tokens": int(s["loss_tokens"]),
         "perf/truncated": int(s["truncated"]),

@@ -28,10 +28,10 @@ from prime_rl.metrics import ConsoleSink, make_metrics
 from prime_rl.rundir import MARKER
 from prime_rl.settings import run_process
 from trainer.data import right_pad
-from trainer.loss import token_logprobs
-from trainer.model import forward_logits, load_model, setup_world
+from trainer.head import HeadQuery
+from trainer.model import DTYPES, forward_logits, load_model, setup_world, teardown_world
 from trainer.optim import build_optimizer, clip_and_step
-from trainer.weights import write_hf_folder
+from trainer.weights import full_state_dict, write_hf_folder
 
 CONSOLE_KEYS = ("loss/sft", "optim/grad_norm", "perf/tokens_per_s", "time/step")
 CONSOLE_EVERY = 10
@@ -79,8 +79,9 @@ def train_sft(cfg: SFTConfig) -> None:
                 sink.log({"step": step, **row})
 
     # ---- publish: weights + tokenizer, marker last
-    save_model(model, tokenizer, cfg.model.name, output_dir)
+    save_model(model, tokenizer, cfg.model.name, output_dir, DTYPES[cfg.model.dtype])
     metrics.close()
+    teardown_world(world)  # the one-rank process group of a bfloat16 run (trainer.model)
     log(f"done: model in {output_dir}")
 
 
@@ -93,15 +94,23 @@ def sft_step(model: nn.Module, optimizer, scheduler, chats: list[Example], cfg: 
         micro = chats[start : start + cfg.data.micro_batch_size]
         ids = torch.from_numpy(right_pad([np.array(i) for i, _ in micro], 0, np.int64)).to(device)  # [B, T]
         attention_mask = torch.from_numpy(right_pad([np.ones(len(i)) for i, _ in micro], 0, np.int64)).to(device)
-        loss_mask = torch.from_numpy(right_pad([np.array(m) for _, m in micro], 0, np.float32)).to(device)
-        logprobs = token_logprobs(forward_logits(model, ids, attention_mask), ids, 1.0)  # [B, T-1]
-        loss = -(logprobs * loss_mask[:, 1:]).sum() / num_tokens
+        loss_mask = torch.from_numpy(right_pad([np.array(m, dtype=bool) for _, m in micro], False, bool)).to(device)
+        logprobs = forward_logits(model, ids, attention_mask, query=next_token_query(ids, loss_mask))["logprobs"]  # [N]
+        loss = -logprobs.sum() / num_tokens
         loss.backward()
         total_loss += loss.item()
         total_tokens += int(attention_mask.sum())
     grad_norm, lr = clip_and_step(model, optimizer, scheduler, cfg.optim.max_grad_norm)
     return {"loss/sft": total_loss, "optim/grad_norm": grad_norm, "optim/lr": lr,
             "perf/loss_tokens": num_tokens, "perf/tokens": total_tokens}
+
+
+def next_token_query(ids: torch.Tensor, loss_mask: torch.Tensor) -> HeadQuery:
+    """The head's query for right-padded rows ids [B, T] with loss_mask [B, T] bool: at every
+    target token t (mask[b, t], t >= 1), position t - 1 of its row and the token itself."""
+    targets = loss_mask[:, 1:]
+    positions = torch.arange(ids.numel(), device=ids.device).view_as(ids)[:, :-1][targets]
+    return HeadQuery(positions=positions, targets=ids[:, 1:][targets], temperature=1.0)
 
 
 # --------------------------------------------------------------------------- data
@@ -176,15 +185,16 @@ def batch_stream(examples: list[Example], batch_size: int, seed: int) -> Iterato
 # --------------------------------------------------------------------------- output
 
 
-def save_model(model: nn.Module, tokenizer, source_model: str, output_dir: Path) -> None:
-    """HF folder (safetensors) + tokenizer, then the marker, written last and fsynced.
+def save_model(model: nn.Module, tokenizer, source_model: str, output_dir: Path, dtype: torch.dtype | None = None) -> None:
+    """HF folder (safetensors, tensors in ``dtype``: the compute dtype) + tokenizer, then the
+    marker, written last and fsynced.
 
     SFT does not change the tokenizer: a local source's files (and its generation_config.json)
     are copied as they are, as the RL trainer's weight folders do (``write_hf_folder``).
     """
     source = Path(source_model)
     output_dir.mkdir(parents=True, exist_ok=True)
-    write_hf_folder(model, model.state_dict(), output_dir, source if source.is_dir() else None)
+    write_hf_folder(model, full_state_dict(model, dtype), output_dir, source if source.is_dir() else None)
     if not source.is_dir():  # a hub id: the tokenizer as loaded
         tokenizer.save_pretrained(output_dir)
     with open(output_dir / MARKER, "w") as f:

@@ -12,6 +12,7 @@ This module does not know who reads the folder or when.
 
 from __future__ import annotations
 
+import copy
 import shutil
 from pathlib import Path
 
@@ -39,20 +40,27 @@ TOKENIZER_FILES = (
 )
 
 
-def full_state_dict(model: nn.Module, trainable_only: bool = False) -> dict[str, torch.Tensor]:
-    """Unsharded CPU state dict with HF names; under FSDP2 a collective every rank must call.
-
-    With FSDP2 only rank 0 gets tensors (``cpu_offload=True`` leaves the others empty).
-    ``trainable_only`` leaves out frozen parameters (a LoRA model's base weights).
-    """
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=trainable_only)
-        return get_model_state_dict(model, options=options)
-    if trainable_only:
-        return {name: p for name, p in model.named_parameters() if p.requires_grad}
-    return model.state_dict()
+def full_state_dict(model: nn.Module, dtype: torch.dtype | None = None, trainable_only: bool = False) -> dict[str, torch.Tensor]:
+    """Unsharded CPU state dict with HF names, each floating tensor cast to ``dtype`` (None: as
+    stored) before it is gathered: a bf16 server gets half the bytes gathered, moved and
+    written, and never the float32 masters. Under FSDP2 (one rank or several) a collective
+    every rank must call, one tensor at a time so no rank holds more than one unsharded
+    tensor; only rank 0 gets tensors (the others an empty dict). ``trainable_only`` leaves out
+    frozen parameters (a LoRA model's base weights)."""
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    out = {}
+    for name, tensor in model.state_dict().items():
+        if trainable_only and name not in trainable:
+            continue
+        tensor = tensor.detach()
+        if dtype is not None and tensor.is_floating_point():
+            tensor = tensor.to(dtype)
+        if hasattr(tensor, "full_tensor"):  # an FSDP2 shard (DTensor)
+            tensor = tensor.full_tensor()
+        if rank == 0:
+            out[name] = tensor.cpu()
+    return out
 
 
 def dedupe_tied(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -82,8 +90,13 @@ def write_hf_folder(
 ) -> None:
     """model.safetensors + config.json + generation_config.json (+ tokenizer files) into folder."""
     folder = Path(folder)
-    save_file(dedupe_tied(model, state), str(folder / "model.safetensors"), metadata={"format": "pt"})
-    model.config.save_pretrained(folder)
+    tensors = dedupe_tied(model, state)
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    config = copy.deepcopy(model.config)
+    floating = next((t.dtype for t in tensors.values() if t.is_floating_point()), None)
+    if floating is not None:  # the dtype the weights were written in, not the trainer's float32 masters
+        config.dtype = floating
+    config.save_pretrained(folder)
     source = Path(source_model_dir) if source_model_dir is not None else None
     if source is not None and (source / GENERATION_CONFIG).is_file():
         # verbatim: transformers refuses to re-save a config it deems inconsistent (top_k
@@ -110,15 +123,17 @@ def copy_tokenizer_files(source: Path, dest: Path) -> bool:
 
 
 def save_weights(
-    model: nn.Module, run_dir: Path, step: int, keep_last: int, source_model_dir: str | Path | None = None
+    model: nn.Module, run_dir: Path, step: int, keep_last: int, source_model_dir: str | Path | None = None,
+    dtype: torch.dtype | None = None,
 ) -> Path | None:
-    """Publish policy version ``step`` as ``RUN/weights/step_N`` (marker last), prune old ones.
+    """Publish policy version ``step`` as ``RUN/weights/step_N`` (marker last), prune old ones,
+    its tensors in ``dtype`` (the serving dtype; None: as stored).
 
     Every rank must call this (gathering is collective); rank 0 writes and returns the
     folder, other ranks return None.
     """
     lora = is_lora(model)
-    state = full_state_dict(model, trainable_only=lora)
+    state = full_state_dict(model, dtype, trainable_only=lora)
     if dist.is_initialized() and dist.get_rank() != 0:
         return None
     parent = weights_dir(run_dir)

@@ -153,7 +153,7 @@ class OrchestratorConfig(StrictModel):
     """Samples per prompt; advantages are computed within each group."""
 
     micro_batch_size: int = Field(32, ge=1)
-    """Samples per micro-batch sent to the trainer."""
+    """Samples per chunk of a rank's message to the trainer (the wire's layout only: the trainer forms its own micro-batches by tokens, `trainer.micro_batch_tokens`)."""
 
     num_trainer_ranks: int = Field(1, ge=1)
     """Trainer ranks; each gets its own share of every step's samples, balanced by token count (filled from `[deployment]` in an RL run)."""

@@ -77,13 +77,36 @@ class ModelConfig(StrictModel):
     """HF model id or local path of the model to train (HF format, safetensors)."""
 
     dtype: Literal["float32", "bfloat16"] = "float32"
-    """Parameter dtype on the trainer; float32 on CPU, bfloat16 on GPUs."""
+    """Compute dtype of the trainer: float32 on CPU, bfloat16 on GPUs. The weights and AdamW's state stay float32 either way (master weights: a bf16 weight could not take a 1e-6 step); with bfloat16 FSDP2 gathers the weights in bf16 for forward and backward and reduces gradients in float32. The weights written for inference (`weights/step_N`) are cast to this dtype."""
 
-    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] | None = None
-    """Attention of the trainer's model; None = transformers' default (sdpa). `flash_attention_2`
-    (CUDA) runs packed rows through its variable-length kernel, without padding or a mask; it
-    needs `uv pip install flash-attn --no-build-isolation` after the CUDA sync (PyPI ships it
-    as a source package that builds against the installed torch)."""
+    attn_implementation: str | None = None
+    """Attention of the trainer's model: `sdpa`, `eager`, `flash_attention_2`, `flash_attention_3` or a hub kernel (`kernels-community/flash-attn2`); None = flash_attention_2 on CUDA when `flash-attn` is installed and the dtype is bfloat16, else sdpa. Flash-attention runs packed rows through its variable-length kernel, without padding or a mask, and computes in 16 bits only (README "Installing" says how to install it)."""
+
+    activation_checkpointing: bool | None = None
+    """Keep only each decoder layer's input through the forward and recompute the layer in backward: activation memory per token falls from all of a layer's tensors to one hidden state per layer, for about a third more compute. None = on when the trainer runs on CUDA, off on CPU."""
+
+    @field_validator("attn_implementation")
+    @classmethod
+    def _known_attention(cls, name: str | None) -> str | None:
+        if name is None or name in ATTENTION_IMPLEMENTATIONS or re.fullmatch(r"[\w.-]+/[\w.-]+(@[\w.-]+)?(:[\w.-]+)?", name):
+            return name
+        raise ValueError(
+            f"unknown attention {name!r}: expected one of {', '.join(ATTENTION_IMPLEMENTATIONS)} or a hub kernel `org/name`"
+        )
+
+    @model_validator(mode="after")
+    def _flash_needs_16_bits(self) -> ModelConfig:
+        # transformers' rule for a flash-attention implementation: "flash" in its name
+        if self.attn_implementation is not None and "flash" in self.attn_implementation and self.dtype == "float32":
+            raise ValueError(
+                f"attn_implementation {self.attn_implementation!r} computes in 16 bits only, but dtype is float32: "
+                "set dtype = \"bfloat16\" (the weights stay float32 masters) or attn_implementation = \"sdpa\""
+            )
+        return self
+
+
+ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3")
+"""transformers' built-in attentions the trainer supports (besides hub kernels `org/name`)."""
 
 
 class SamplingConfig(StrictModel):

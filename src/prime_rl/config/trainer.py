@@ -160,6 +160,9 @@ class TrainerConfig(StrictModel):
     seq_len: int = Field(512, ge=8)
     """Maximum tokens (prompt + completion) per sample."""
 
+    micro_batch_tokens: int = Field(8192, ge=8)
+    """Tokens the model computes in one forward and backward (one micro-batch): the trainer packs its share of a step's samples (whole prompt-sharing groups where they fit) into micro-batches of at most this many tokens, padding included; a sample longer than this gets one of its own. Activation memory grows with it (`--dry-run` prints the estimate)."""
+
     output_dir: Path = Path("outputs/run")
     """Run directory shared by the three processes."""
 
