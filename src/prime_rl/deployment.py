@@ -122,6 +122,22 @@ def count_gpus() -> int:
     return sum(line.startswith("GPU ") for line in out.splitlines())
 
 
+def gpu_memory_bytes() -> int | None:
+    """Memory of the smallest GPU this process may use (`nvidia-smi`), None without one."""
+    if count_gpus() == 0 or shutil.which("nvidia-smi") is None:
+        return None
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=index,memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=30, check=False).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ours = {d.strip() for d in visible.split(",")} if visible else None
+    sizes = [int(mib) * 2**20 for index, mib in (line.split(",") for line in out.splitlines() if "," in line)
+             if mib.strip().isdigit() and (ours is None or index.strip() in ours)]
+    return min(sizes) if sizes else None
+
+
 def plan_single_node(config: RLConfig, gpus_available: int) -> Placement:
     """The trio on this machine, GPUs split by `[deployment]` (CPU processes without GPUs)."""
     deployment, inference = config.deployment, config.inference

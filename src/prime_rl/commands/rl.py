@@ -12,8 +12,10 @@ from pathlib import Path
 from prime_rl import warm
 from prime_rl.commands.common import RL_OUTPUT_DIR, checked_output_dir, make_dir, planned, print_help, take_resume_step
 from prime_rl.config import RLConfig
-from prime_rl.deployment import Placement, count_gpus, describe, plan_single_node, process_specs
+from prime_rl.deployment import Placement, count_gpus, describe, gpu_memory_bytes, plan_single_node, process_specs
 from prime_rl.launcher import run, tmux_available
+from prime_rl.memory import estimate_run
+from prime_rl.vllm_command import on_cpu
 from prime_rl.ports import port_problems, rl_bindings
 from prime_rl.resolve import checked_model_path, resolve
 from prime_rl.resume import ResumeRefused, check_resumable, choose_resume_step, rewind
@@ -76,13 +78,17 @@ def main(argv: list[str]) -> int:
             raise ConfigError("inference.attach: a --slurm job starts its own servers on its nodes; drop it")
         return submit_slurm(config, run_dir, dry_run=dry_run, tmux="--no-tmux" not in launcher_flags, start=start)
     gpus = count_gpus()
+    check_engine_build(gpus, dry_run)
     placement = planned(config, gpus)
     servers = attached_servers(config, placement, run_dir, step)  # before the port check: they hold our ports
     check_ports(config, placement, dry_run, serve=not servers)
+    memory = checked_memory(config, placement, gpus)  # before anything is written: a run that cannot fit stops here
     make_dir(run_dir, RL_OUTPUT_DIR)
     specs = process_specs(config, run_dir, placement, serve=not servers)
     show_placement(config, placement, gpus, attached=bool(servers))
     if dry_run:
+        for line in memory:
+            print(f"[prime-rl] {line}", flush=True)
         print(f"[prime-rl] resolved configs written to {run_dir / 'configs'}/")
         return 0
 
@@ -148,6 +154,32 @@ def show_placement(config: RLConfig, placement: Placement, gpus: int, attached: 
               "(vLLM-CPU replicas, gloo trainer ranks):", flush=True)
     for line in describe(placement, config, replicas=not attached):
         print(f"[prime-rl]   {line}" if both else f"[prime-rl] {line}", flush=True)
+
+
+def check_engine_build(gpus: int, dry_run: bool) -> None:
+    """GPUs with the CPU build of vLLM installed (a plain `uv run` re-synced the default groups
+    over the CUDA install, README "Installing") would run the whole run on the CPU: refused,
+    saying how to get the CUDA build back (a dry run only warns)."""
+    if gpus == 0 or not on_cpu():
+        return
+    problem = (f"this machine shows {gpus} GPU(s) but the CPU build of vLLM (vllm-cpu) is installed, as a plain `uv run` "
+               "re-syncs it: run `bash scripts/setup_cuda.sh`, then `export UV_NO_SYNC=1` before `uv run prime-rl ...`")
+    if not dry_run:
+        raise ConfigError(problem)
+    print(f"[prime-rl] warning: {problem}", file=sys.stderr, flush=True)
+
+
+def checked_memory(config: RLConfig, placement: Placement, gpus: int) -> list[str]:
+    """The memory estimate of a trainer rank and a vLLM replica (``prime_rl.memory``), as lines
+    for the dry run; a run whose processes cannot fit this machine's GPUs is refused, one line
+    per process. Without GPUs here a GPU split is estimated for 80 and 141 GB GPUs."""
+    d = config.deployment
+    gpu_view = gpus == 0 and (d.inference_gpus > 1 or d.trainer_gpus > 1)
+    device = "cuda" if gpus or gpu_view else placement.device
+    estimate = estimate_run(config, device, gpu_memory_bytes() if gpus else None)
+    if estimate.problems:
+        raise ConfigError("\n".join(estimate.problems))
+    return estimate.lines
 
 
 def prepare_resume(config: RLConfig, run_dir: Path, requested: int | None) -> int:
