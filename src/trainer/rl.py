@@ -95,6 +95,13 @@ def train(cfg: TrainerConfig) -> None:
     try:
         for step in range(start, cfg.max_steps):
             t_start = time.perf_counter()
+            # 0. the resumable checkpoint of the state after `step` steps, every ckpt.interval steps:
+            #    written here, after step - 1's metrics row, so a crash can never leave a checkpoint
+            #    whose previous step has no row (a resume drops the rows from its step on)
+            if step > start and checkpoint_due(step, cfg.ckpt.interval, cfg.max_steps):
+                with heartbeat.waiting(f"writing checkpoint step {step}"):
+                    save_checkpoint(model, optimizer, scheduler, cfg.output_dir, step, cfg.ckpt.keep_last)
+            t_ckpt = time.perf_counter()
             # 1. rollouts for this step (sampled by policy versions in [step - async_level, step])
             with heartbeat.waiting(f"batch of step {step} from {receiver.address}"):
                 batch = receiver.receive(step)
@@ -107,18 +114,13 @@ def train(cfg: TrainerConfig) -> None:
             with heartbeat.waiting(f"writing weights step {step + 1}"):
                 writers = publish_weights(model, cfg, step + 1, world)
             t_save = time.perf_counter()
-            # 4. a resumable checkpoint every ckpt.interval steps and after the last one
-            if checkpoint_due(step + 1, cfg.ckpt.interval, cfg.max_steps):
-                with heartbeat.waiting(f"writing checkpoint step {step + 1}"):
-                    save_checkpoint(model, optimizer, scheduler, cfg.output_dir, step + 1, cfg.ckpt.keep_last)
-            t_ckpt = time.perf_counter()
-            # 5. metrics (rank 0 only)
+            # 4. metrics (rank 0 only)
             timings = {
-                "step": t_ckpt - t_start,
-                "wait_batch": t_batch - t_start,
+                "step": t_save - t_start,
+                "save_ckpt": t_ckpt - t_start,  # the checkpoint written before this step (0 when none)
+                "wait_batch": t_batch - t_ckpt,
                 "train": t_train - t_batch,
                 "save_weights": t_save - t_train,
-                "save_ckpt": t_ckpt - t_save,
             }
             row = {
                 **step_metrics(stats, timings, step, distill=cfg.loss.distill),
@@ -127,6 +129,10 @@ def train(cfg: TrainerConfig) -> None:
             metrics.log(step, {**row, **resume_row})
             resume_row = {}
             heartbeat.progress(f"trained step {step}")
+        # the checkpoint after the last step, once its row is written
+        if start < cfg.max_steps and checkpoint_due(cfg.max_steps, cfg.ckpt.interval, cfg.max_steps):
+            with heartbeat.waiting(f"writing checkpoint step {cfg.max_steps}"):
+                save_checkpoint(model, optimizer, scheduler, cfg.output_dir, cfg.max_steps, cfg.ckpt.keep_last)
         if world.is_main:
             log(f"done: {cfg.max_steps} steps, weights in {cfg.output_dir / 'weights'}")
     finally:

@@ -78,8 +78,8 @@ def main(argv: list[str]) -> int:
             raise ConfigError("inference.attach: a --slurm job starts its own servers on its nodes; drop it")
         return submit_slurm(config, run_dir, dry_run=dry_run, tmux="--no-tmux" not in launcher_flags, start=start)
     gpus = count_gpus()
-    check_engine_build(gpus, dry_run)
     placement = planned(config, gpus)
+    check_engine_build(gpus, dry_run)
     servers = attached_servers(config, placement, run_dir, step)  # before the port check: they hold our ports
     check_ports(config, placement, dry_run, serve=not servers)
     memory = checked_memory(config, placement, gpus)  # before anything is written: a run that cannot fit stops here
