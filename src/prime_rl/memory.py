@@ -388,7 +388,8 @@ def estimate_run(config, device: str, gpu_bytes: int | None) -> RunEstimate:
     lines = [
         f"memory estimate for {name} ({count(shape.params)} parameters; shape from {source}):",
         f"  trainer rank (1 of {s.ranks}; {how}): {gib(t.total)} = weights {gib(t.weights)} + AdamW {gib(t.optimizer)} "
-        f"+ a step's peak {gib(t.step_bytes)} (gradients {gib(t.gradients)}, activations kept {gib(t.activations)})",
+        f"+ a step's peak {gib(t.step_bytes)} (gradients {gib(t.gradients)}, activations kept {gib(t.activations)}, "
+        f"{t.activations / s.micro_batch_tokens / 1024:,.0f} KiB a token)",
     ]
     if device != "cuda":
         return RunEstimate(lines, [])
