@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from prime_rl.config import LossConfig
-from trainer.loss import entropy_from_logits, policy_loss, selective_log_softmax, token_logprobs
+from trainer.loss import entropy_from_logits, policy_loss, selective_log_softmax
 
 # Band [0.5, 2] and clamp 1.5 so one small example hits every case.
 CFG = LossConfig(mask_ratio_low=0.5, mask_ratio_high=2.0, log_ratio_clamp=1.5)
@@ -89,21 +89,27 @@ def test_selective_log_softmax_hand_computed():
     torch.testing.assert_close(out, torch.tensor([-math.log(4), -0.7873387]))
 
 
-def test_token_logprobs_shift_and_temperature():
-    # One sequence of 3 tokens [1, 3, 0]: position 0 scores token 3, position 1 scores token 0.
-    logits = torch.tensor([[[1.0, 2.0, 3.0, 4.0], [0.0, 0.0, 0.0, 0.0], [9.0, 9.0, 9.0, 9.0]]])
-    out = token_logprobs(logits, torch.tensor([[1, 3, 0]]), temperature=2.0)
-    assert out.shape == (1, 2) and out.dtype == torch.float32
+def test_the_head_divides_by_the_temperature_and_normalises_in_float32():
+    from trainer.head import HeadQuery, score_tokens
+
+    # an identity output layer: the hidden states are the logits. Position 0 scores token 3,
+    # position 1 token 0 (the query names them; trainer.data builds it from the shift).
+    hidden = torch.tensor([[1.0, 2.0, 3.0, 4.0], [0.0, 0.0, 0.0, 0.0]])
+    out = score_tokens(hidden, torch.eye(4), HeadQuery(torch.arange(2), torch.tensor([3, 0]), temperature=2.0))
+    assert out["logprobs"].dtype == torch.float32
     # logits / 2 = [0.5, 1, 1.5, 2]: token 3 -> -0.7873387; second row uniform -> -log 4
-    torch.testing.assert_close(out, torch.tensor([[-0.7873387, -math.log(4)]]))
+    torch.testing.assert_close(out["logprobs"], torch.tensor([-0.7873387, -math.log(4)]))
+    torch.testing.assert_close(out["entropy"][1], torch.tensor(math.log(4)))
 
 
-def test_token_logprobs_matches_manual_log_softmax_in_bfloat16():
+def test_the_heads_logprobs_of_bf16_logits_match_a_manual_log_softmax():
+    from trainer.head import HeadQuery, score_tokens
+
     torch.manual_seed(0)
-    logits = torch.randn(2, 5, 7).to(torch.bfloat16)
-    ids = torch.randint(0, 7, (2, 5))
-    out = token_logprobs(logits, ids, temperature=0.7)
-    manual = torch.log_softmax(logits.float()[:, :-1] / 0.7, dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    hidden, weight = torch.randn(9, 5).to(torch.bfloat16), torch.randn(7, 5).to(torch.bfloat16)
+    ids = torch.randint(0, 7, (9,))
+    out = score_tokens(hidden, weight, HeadQuery(torch.arange(9), ids, temperature=0.7))["logprobs"]
+    manual = torch.log_softmax((hidden @ weight.t()).float() / 0.7, dim=-1).gather(-1, ids[:, None]).squeeze(-1)
     assert out.dtype == torch.float32
     torch.testing.assert_close(out, manual)
 

@@ -19,13 +19,14 @@ import torch
 import torch.distributed as dist
 from helpers import free_port
 from safetensors import safe_open
+from torch.distributed.fsdp import FSDPModule
 
 from prime_rl.config import ModelConfig, OptimConfig, TrainerConfig
 from prime_rl.wire import SCHEMA_VERSION, MicroBatch, TrainBatch
 from trainer.ckpt import load_checkpoint, save_checkpoint
 from trainer.head import HeadQuery, score_tokens
 from trainer.loss import entropy_from_logits, selective_log_softmax, top_k_reverse_kl
-from trainer.model import World, is_sharded, load_model, prepare_model
+from trainer.model import World, load_model, prepare_model
 from trainer.optim import build_optimizer
 from trainer.packing import plan_micro_batches
 from trainer.rl import train_step
@@ -71,7 +72,7 @@ def test_bf16_compute_keeps_float32_masters_that_move_at_lr_1e_6(tiny_model, one
     samples = make_samples(tiny_model, policy_version=0)
     state, cfg = trainer(tiny_model, "bfloat16", 1e-6, lora)
     model = state[0]
-    assert is_sharded(model) and {p.dtype for p in model.parameters()} == {torch.float32}
+    assert isinstance(model, FSDPModule) and {p.dtype for p in model.parameters()} == {torch.float32}
     ids = torch.tensor([[1, 2, 3]])
     assert model(input_ids=ids).dtype == torch.bfloat16  # the compute (logits without a query) is bf16
     trained = [n for n, p in model.named_parameters() if p.requires_grad and "embed_tokens" not in n]

@@ -134,7 +134,8 @@ def test_no_batch_fails_with_a_clear_message(tiny_model, tmp_path, capsys):
 def test_padding_does_not_change_logprobs(tiny_model):
     from transformers import AutoModelForCausalLM
 
-    from trainer.loss import token_logprobs
+    def token_logprobs(logits, ids):  # position t scores token t + 1
+        return torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
     meta = {"advantage": 0, "reward": 0, "policy_version": 0, "example_id": 0}
@@ -144,7 +145,7 @@ def test_padding_does_not_change_logprobs(tiny_model):
         alone = collate(MicroBatch([short]), 64, 0, torch.device("cpu"))
         padded = collate(MicroBatch([long, short]), 64, 0, torch.device("cpu"))
         lp_alone, lp_padded = (
-            token_logprobs(forward_logits(model, m.input_ids, m.attention_mask), m.input_ids, 1.0)
+            token_logprobs(forward_logits(model, m.input_ids, m.attention_mask), m.input_ids)
             for m in (alone, padded)
         )
     assert padded.input_ids.shape == (2, 20)

@@ -1,8 +1,9 @@
 """Pure loss math: tensors in, tensors out. No model, no config files, no distributed.
 
 Shapes: B samples, T positions. Logprobs are float32 and aligned to the token they
-score: ``logprobs[b, t]`` is log pi(token t+1 | tokens <= t) after ``token_logprobs``
-has shifted them (the first token of a sequence is never scored).
+score: ``logprobs[b, t]`` is log pi(token t+1 | tokens <= t), as the trainer's head
+(``trainer.head``) computes them at the positions its query names (the first token of a
+sequence is never scored).
 """
 
 from __future__ import annotations
@@ -20,17 +21,6 @@ def selective_log_softmax(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tens
     logits = logits.float()
     chosen = logits.gather(-1, ids.long().unsqueeze(-1)).squeeze(-1)
     return chosen - torch.logsumexp(logits, dim=-1)
-
-
-def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float) -> torch.Tensor:
-    """Logprob of each next token under softmax(logits / temperature).
-
-    logits [B, T, V], input_ids [B, T] -> [B, T-1] float32, where out[:, t] scores
-    input_ids[:, t+1]. Inference sampled from the temperature-scaled distribution, so the
-    trainer must score it the same way for the importance ratio to be 1 on-policy.
-    """
-    scaled = logits[:, :-1].float() / temperature
-    return selective_log_softmax(scaled, input_ids[:, 1:])
 
 
 @torch.no_grad()

@@ -153,13 +153,6 @@ def shard_model(model: nn.Module, compute_dtype: torch.dtype) -> None:
     fully_shard(model, mp_policy=policy)
 
 
-def is_sharded(model: nn.Module) -> bool:
-    """Whether FSDP2 holds the model's parameters (as DTensor shards), one rank or several."""
-    from torch.distributed.fsdp import FSDPModule
-
-    return isinstance(model, FSDPModule)
-
-
 def forward_logits(
     model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
     position_ids: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None, max_seqlen: int = 0,
