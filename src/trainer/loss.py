@@ -150,7 +150,7 @@ def top_k_reverse_kl(scoring: torch.Tensor, top_ids: torch.Tensor, top_logprobs:
     tokens plus one bucket for the rest of the vocabulary: differentiable in the student.
 
     scoring [N, V]: the student's logits at the positions (already divided by the sampling
-    temperature, as ``scored_logprobs`` returns them); top_ids [N, K] int, top_logprobs [N, K]
+    temperature, as the head computes them, ``trainer.head``); top_ids [N, K] int, top_logprobs [N, K]
     (the teacher's logprobs of those tokens) -> [N] float32 >= 0:
 
         sum_k p_s(k) (log p_s(k) - log p_t(k))  +  p_s(rest) (log p_s(rest) - log p_t(rest))
