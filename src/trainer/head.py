@@ -23,7 +23,6 @@ replaced did (reference paths in tests, the lock-step pass of an idle rank).
 
 from __future__ import annotations
 
-import math
 import types
 from dataclasses import dataclass
 
@@ -118,9 +117,7 @@ def install_token_head(model: nn.Module) -> None:
     scale = getattr(config, "logit_scale", None)
     if scale not in (None, 1, 1.0):
         raise ValueError(f"{type(model).__name__} scales its logits (logit_scale = {scale}); the trainer's head does not")
-    softcap = getattr(config, "final_logit_softcapping", None)
-    if softcap is not None and not (isinstance(softcap, (int, float)) and math.isfinite(softcap) and softcap > 0):
-        softcap = None
+    softcap = getattr(config, "final_logit_softcapping", None) or None  # Gemma's; 0 and None mean none
     model.set_output_embeddings(TokenHead(old.weight, softcap))
     model.forward = types.MethodType(scored_forward, model)
 
@@ -128,10 +125,10 @@ def install_token_head(model: nn.Module) -> None:
 def scored_forward(self, input_ids=None, attention_mask=None, position_ids=None, query: HeadQuery | None = None, **kwargs):
     """The causal LM's forward with ``TokenHead``: the backbone, then the head (logits without
     a query). Arguments a wrapper passes as None (peft: labels, return_dict, ...) are dropped."""
-    for unused in ("labels", "return_dict", "output_attentions", "output_hidden_states", "inputs_embeds", "use_cache"):
-        if kwargs.get(unused) is not None and unused != "use_cache":
+    kwargs.pop("use_cache", None)  # never: training decodes nothing
+    for unused in ("labels", "return_dict", "output_attentions", "output_hidden_states", "inputs_embeds"):
+        if kwargs.pop(unused, None) is not None:
             raise ValueError(f"the trainer's forward takes no {unused}")
-        kwargs.pop(unused, None)
     backbone = getattr(self, self.base_model_prefix)
     hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
                       **kwargs).last_hidden_state
