@@ -126,7 +126,7 @@ def estimate(size: dict, seq_len: int, checkpointing: bool, dtype: str = "float3
 
     shape = ModelShape.from_config({**size, "tie_word_embeddings": False})
     setting = TrainerSetting(ranks=1, compute_dtype=dtype, micro_batch_tokens=seq_len, checkpointing=checkpointing,
-                             attention="sdpa", loss_fraction=0.75, rows=SAMPLES, device="cpu")
+                             attention="sdpa", row_tokens=seq_len // SAMPLES, loss_fraction=0.75, device="cpu")
     return trainer_memory(shape, setting).step_bytes / 2**20
 
 

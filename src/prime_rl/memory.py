@@ -183,7 +183,6 @@ class TrainerSetting:
     loss_fraction: float = 1.0
     """Share of the tokens the loss scores (the head computes only those)."""
 
-    rows: int = 1
     device: str = "cuda"
     trainable_params: int | None = None
     """LoRA: the adapters' parameters (only they have gradients and optimizer state); None = all."""
