@@ -42,6 +42,10 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the arithmetic above a run's estimate needs no config
+    from prime_rl.config import RLConfig
 
 GIB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -348,8 +352,8 @@ def lora_params(shape: ModelShape, rank: int, targets: list[str]) -> int:
     return shape.layers * sum(rank * sum(sizes.get(t, (h, h))) for t in targets)
 
 
-def trainer_setting(config, device: str, shape: ModelShape) -> TrainerSetting:
-    """The trainer side of an RL config (``prime_rl.config.RLConfig``, resolved) as the estimate reads it."""
+def trainer_setting(config: RLConfig, device: str, shape: ModelShape) -> TrainerSetting:
+    """The trainer side of a resolved RL config as the estimate reads it."""
     trainer, model = config.trainer, config.trainer.model
     attention = model.attn_implementation or "sdpa"  # flash is chosen at start where installed; sdpa costs more
     kind = "flash" if "flash" in attention else ("eager" if attention == "eager" else "sdpa")
@@ -372,7 +376,7 @@ class RunEstimate:
     """One line per process that cannot fit its GPU (empty: it fits, or no GPU to hold it against)."""
 
 
-def estimate_run(config, device: str, gpu_bytes: int | None) -> RunEstimate:
+def estimate_run(config: RLConfig, device: str, gpu_bytes: int | None) -> RunEstimate:
     """A trainer rank's and each vLLM replica's memory for a resolved RL config placed on
     ``device``, held against GPUs of ``gpu_bytes`` (this machine's), or, for a GPU placement
     shown on a machine without GPUs (None), against ``REFERENCE_GPUS``."""
