@@ -239,7 +239,9 @@ def mask_bytes_per_token(shape: ModelShape, s: TrainerSetting) -> int:
     return 4 * row + shape.layers * 2 * 4 * shape.heads * row  # additive mask; scores and softmax per head
 
 
-HEAD_CHUNK_ELEMENTS = 2**26  # trainer.head.HEAD_CHUNK_ELEMENTS (this module imports no torch)
+HEAD_CHUNK_ELEMENTS = 2**26
+"""Logits ``trainer.head`` computes at once: [C, V] with C = this // V positions (float32: 256 MB).
+Here, where no torch is imported, so the head and this estimate share one number."""
 
 
 def head_bytes(shape: ModelShape, s: TrainerSetting, compute: int) -> int:

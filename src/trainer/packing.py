@@ -34,8 +34,9 @@ first row with room, each row then listing its blocks in order) up to a token bu
 
 - With a mask (sdpa, eager; on CPU and wherever flash-attention is missing) the budget is
   the micro-batch's longest block, and ``attention_allowed`` builds the dense [R, 1, L, L]
-  boolean mask from the block and segment ids, on the device the model runs on. Rows are then never wider than the widest
-  row of one block per row, so packing never adds tokens or attention area (a dense mask
+  boolean mask from the block and segment ids, on the device the model runs on. Rows are
+  then never wider than the widest row of one block per row, so packing never adds tokens
+  or attention area (a dense mask
   computes every masked pair too); it only fills padding with whole samples. A budget of
   ``seq_len`` removes little more padding at up to twice the attention area:
   ``benchmarks/packing.py`` measured it no faster than the longest block in any regime.
@@ -43,8 +44,8 @@ first row with room, each row then listing its blocks in order) up to a token bu
   the rows are those of the unpacked layout.
 - With flash-attention's variable-length kernel (any flash-attention ``trainer.model.
   attn_implementation``; the default on CUDA where `flash-attn` is installed, README
-  "Installing") there is no mask and no padding: every block of a micro-batch goes into one row, and the kernel attends
-  within the boundaries ``varlen_boundaries`` gives it (``cu_seqlens``, passed to
+  "Installing") there is no mask and no padding: every block of a micro-batch goes into one
+  row, and the kernel attends within the boundaries ``varlen_boundaries`` gives it (``cu_seqlens``, passed to
   transformers as ``cu_seq_lens_q/k``). That layout takes no shared prefix: the kernel's
   sequences are contiguous, a rollout's attention to its prompt is not.
 """
