@@ -94,12 +94,18 @@ def suspects() -> set[str]:
 
 
 def call_cgroups() -> list[Path]:
-    """The per-call cgroups that exist now (there is none between calls)."""
+    """The per-call cgroups that exist now, each in its sandbox's cgroup (none between calls)."""
     found = sandbox_module._FOUND_CGROUPS
     if not found or isinstance(found[0], str):
         return []
     parents = {found[0].memory_parent, found[0].pids_parent}
-    return sorted(path for parent in parents for path in parent.glob("call-*"))
+    return sorted(path for parent in parents for pattern in ("call-*", "*/call-*") for path in parent.glob(pattern))
+
+
+def memory_of(cgroup: Path) -> int:
+    """Bytes charged to a memory cgroup and its descendants (v2 or v1 name)."""
+    name = "memory.current" if (cgroup / "memory.current").exists() else "memory.usage_in_bytes"
+    return int((cgroup / name).read_text())
 
 
 def scratch_mounts() -> set[str]:
@@ -311,6 +317,60 @@ def test_scratch_bytes_are_capped_in_total(bounded, bounded_scratch):
     assert sum(path.stat().st_size for path in scratch.iterdir()) <= 16 * 2**20
 
 
+FILL_40MB = FILL_SCRATCH.format(call=0).replace("range(6)", "range(20)")  # 2 files of 20 MB
+
+
+@pytest.mark.timeout(30)
+def test_scratch_of_all_rollouts_is_bounded_together(sandbox):
+    # 4 rollouts, one call each writing 40 MB (under each 48 MB tmpfs and each call's 96 MB): 160
+    # MB in all, kept after the calls end, over the 128 MB of everything together. Before the
+    # shared bound all 4 held it (the probe: 8 x 180 MB stayed in host memory, charged to call
+    # cgroups already removed).
+    limits = SandboxLimits(wall_s=8, cpu_s=4, call_memory_mb=96, scratch_mb=48, total_memory_mb=128, max_procs=16)
+    shared = Sandbox(limits, max_concurrent=2)
+    scratches = [shared.new_scratch() for _ in range(4)]
+    try:
+        results = [run(shared, FILL_40MB, s) for s in scratches]
+        group = shared._group.memory_dir
+        held = memory_of(group)
+        written = sum(path.stat().st_size for s in scratches for path in s.iterdir())
+    finally:
+        for s in scratches:
+            shared.remove_scratch(s)
+    assert results[0].ok and results[0].stdout == "wrote MB 40\n"
+    message = "shared memory limit of 128 MB (all running calls and scratch files together) reached (killed)"
+    assert results[-1].error == message and results[-1].text().endswith(f"Error: {message}")
+    assert held <= 128 * 2**20 and written <= 128 * 2**20, (held, written, [r.text() for r in results])
+    assert memory_of(group) < 16 * 2**20  # the scratch pages went with their tmpfs
+    del shared  # the sandbox's cgroup goes with it
+    assert not group.exists()
+
+
+def our_cgroups() -> set[Path]:
+    """The sandbox and call cgroups of this process, in every hierarchy."""
+    parent = sandbox_module._FOUND_CGROUPS[0]
+    return {p for d in {parent.memory_parent, parent.pids_parent} for p in d.rglob(f"*-{os.getpid()}-*")}
+
+
+def test_a_cgroup_that_cannot_be_limited_is_a_one_line_error_and_left_nowhere(sandbox, scratch, monkeypatch):
+    run(sandbox, "pass", scratch)  # the cgroups found, and the module's sandbox has its own
+    write, before = sandbox_module._write, our_cgroups()
+
+    def refuse_memory_limits(path: Path, value: str, optional: bool = False) -> None:
+        if path.name in ("memory.max", "memory.limit_in_bytes"):
+            raise PermissionError(13, "Permission denied")
+        write(path, value, optional)
+
+    monkeypatch.setattr(sandbox_module, "_write", refuse_memory_limits)
+    fresh = Sandbox(SHORT)
+    for _ in range(2):  # the sandbox's own cgroup, tried again on the next call
+        result = run(fresh, "print(1)", scratch)
+        assert result.error == "sandbox failed to start: cannot make its cgroup: [Errno 13] Permission denied"
+        assert fresh._group is None and our_cgroups() == before
+    monkeypatch.setattr(sandbox_module, "_write", write)
+    assert run(fresh, "print(1)", scratch).ok  # and once it can be made, it is
+
+
 OPEN_FILES = """
 import os, resource
 _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -368,11 +428,13 @@ def test_limits_must_be_finite_and_positive():
     for name, value in [("wall_s", math.nan), ("wall_s", math.inf), ("wall_s", -1.0), ("cpu_s", math.inf),
                         ("cpu_s", 2.5), ("memory_mb", math.nan), ("call_memory_mb", math.inf),
                         ("max_procs", True), ("max_open_files", 0), ("scratch_mb", math.inf),
-                        ("max_file_mb", "64"), ("max_output_chars", math.nan)]:  # fmt: skip
+                        ("max_file_mb", "64"), ("max_output_chars", math.nan), ("total_memory_mb", math.inf)]:  # fmt: skip
         with pytest.raises(ValueError, match=f"SandboxLimits.{name} must be"):
             SandboxLimits(**{name: value})
     with pytest.raises(ValueError, match="scratch_mb .* must be below call_memory_mb"):
         SandboxLimits(call_memory_mb=64, scratch_mb=64)
+    with pytest.raises(ValueError, match=r"total_memory_mb \(512\) must be at least call_memory_mb \(1024\)"):
+        SandboxLimits(total_memory_mb=512)
 
 
 def test_missing_bounds_fail_closed(monkeypatch):

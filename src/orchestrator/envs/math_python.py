@@ -324,6 +324,7 @@ def load_environment(
     memory_mb: int = 1024,
     call_memory_mb: int = 1024,
     scratch_mb: int = 64,
+    total_memory_mb: int = 8192,
     max_open_files: int = 64,
     max_output_chars: int = 4000,
     max_concurrent_sandboxes: int = 4,
@@ -333,14 +334,16 @@ def load_environment(
     ``source`` (`auto`, `hub`, `generated`), ``data_path``; the sandbox's limits per call:
     ``timeout_s`` (wall clock), ``cpu_s``, ``memory_mb`` (each process), ``call_memory_mb``
     (all of the call's processes, memfds and scratch writes together), ``scratch_mb`` (the
-    rollout's scratch directory in all), ``max_open_files`` (each process), ``max_output_chars``
-    (of stdout and of stderr), and ``max_concurrent_sandboxes`` (programs running at once; the
-    others wait; the host holds at most that many times ``call_memory_mb``). Raises
+    rollout's scratch directory in all), ``total_memory_mb`` (the running calls and the scratch
+    of every live rollout together: what the host holds at most), ``max_open_files`` (each
+    process), ``max_output_chars`` (of stdout and of stderr), and ``max_concurrent_sandboxes``
+    (programs running at once; the others wait). Raises
     ``SandboxUnavailable`` when the sandbox cannot run here with all its bounds."""
     _check_args(num_train_examples, num_eval_examples, max_turns, seed, source, system_prompt)
     limits = SandboxLimits(
         wall_s=timeout_s, cpu_s=cpu_s, memory_mb=memory_mb, call_memory_mb=call_memory_mb,
-        scratch_mb=scratch_mb, max_open_files=max_open_files, max_output_chars=max_output_chars,
+        scratch_mb=scratch_mb, total_memory_mb=total_memory_mb, max_open_files=max_open_files,
+        max_output_chars=max_output_chars,
     )  # fmt: skip
     sandbox = Sandbox(limits, max_concurrent=max_concurrent_sandboxes)
     train, eval_rows = load_splits(num_train_examples, num_eval_examples, seed, source, data_path)

@@ -27,6 +27,11 @@ each call gets (docs/sandbox.md has the measurements):
   raises ``MemoryError``), RLIMIT_NPROC, RLIMIT_NOFILE, RLIMIT_FSIZE, no core files, ``nice``
   10, one BLAS thread; the wall clock kills the whole tree; stdout and stderr are each kept to
   about ``max_output_chars`` (head and tail).
+- **limits of all calls together**: every call's cgroup sits in one cgroup of the sandbox, capped
+  at ``total_memory_mb``. The scratch pages a call writes stay charged there after the call's
+  own cgroup is gone, so the running calls and the scratch of every live rollout together never
+  hold more (past it the largest process of a running call is killed: ``shared memory limit of
+  N MB (all running calls and scratch files together) reached (killed)``).
 - **lifetime**: a new PID namespace whose init dies with bwrap (``--die-with-parent``); a small
   launcher (``LAUNCHER``, a child subreaper) starts bwrap and returns only once that init is
   reaped; on a timeout or a cancellation it kills bwrap. Whatever is still in the call's cgroup
@@ -81,7 +86,11 @@ SCRATCH_INODES = 4096
 """Files and directories one scratch tmpfs may hold (each costs kernel memory, not bytes)."""
 
 CGROUP_PARENT = "prime-rl-sandbox"
-"""The cgroup made in our own cgroup to hold one child cgroup per running call."""
+"""The cgroup made in our own cgroup to hold one child cgroup per ``Sandbox`` (capped at its
+``total_memory_mb``), which holds one per running call."""
+
+HUGE_PAGE = 2 << 20
+"""The largest single charge a memory cgroup sees (a transparent huge page), in bytes."""
 
 NICE = 10
 CHECK_TIMEOUT_S = 60.0
@@ -167,6 +176,13 @@ class SandboxLimits:
     """Bytes the scratch directory may hold in all, in MiB (a tmpfs of that size, which keeps
     them between the calls of a rollout); keep it below ``call_memory_mb``, which they count in."""
 
+    total_memory_mb: int = 8192
+    """Memory of everything the sandbox holds together, in MiB: its running calls and the
+    scratch bytes of every live rollout (one cgroup above all its calls, which keeps the charge
+    of scratch pages once a call's own cgroup is gone). Past it the kernel kills the largest
+    process of a running call. At least ``call_memory_mb``; the default leaves room for 4 full
+    calls of 1024 MiB and 64 full scratch directories of 64 MiB."""
+
     max_output_chars: int = 4000
     """stdout and stderr are each cut to about this many characters (head and tail kept)."""
 
@@ -181,6 +197,10 @@ class SandboxLimits:
                 raise ValueError(f"SandboxLimits.{name} must be {kind}, got {value!r}")
         if self.scratch_mb >= self.call_memory_mb:  # scratch pages count in the call's memory
             raise ValueError(f"SandboxLimits.scratch_mb ({self.scratch_mb}) must be below call_memory_mb ({self.call_memory_mb})")
+        if self.total_memory_mb < self.call_memory_mb:  # a call must fit in the bound of all of them
+            raise ValueError(
+                f"SandboxLimits.total_memory_mb ({self.total_memory_mb}) must be at least call_memory_mb ({self.call_memory_mb})"
+            )
 
 
 @dataclass(frozen=True)
@@ -194,7 +214,8 @@ class SandboxResult:
     error: str | None = None
     """Why the run failed beyond its own output: `timed out after 10 s (wall-clock limit)`,
     `CPU time limit of 5 s exceeded`, `memory limit of 1024 MB reached (MemoryError)`,
-    `memory limit of 1024 MB for the whole call reached (killed)`, `scratch space limit of 64 MB
+    `memory limit of 1024 MB for the whole call reached (killed)`, `shared memory limit of 8192 MB
+    (all running calls and scratch files together) reached (killed)`, `scratch space limit of 64 MB
     reached`, `open files limit of 64 per process reached`, `killed by signal 9 (SIGKILL)`,
     `sandbox failed to start: ...`. None for a program that exited by itself (even with a
     traceback and a non-zero status)."""
@@ -238,6 +259,8 @@ class Sandbox:
         if self._scratch_root is not None:  # a root we were given stays, its scratch mounts do not
             weakref.finalize(self, _unmount_under, self._scratch_root.absolute())
         self._slots: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore] = weakref.WeakKeyDictionary()
+        self._group: _Cgroup | None = None
+        self._group_finalizer: weakref.finalize | None = None
         if check:
             self.check_available(python)
         self._tools = {name: shutil.which(name) or name for name in _required_tools(self.as_root)}
@@ -269,6 +292,7 @@ class Sandbox:
             raise SandboxUnavailable(f"bwrap could not start a trial python sandbox: {e}") from e
         finally:
             _remove_tree(probe.scratch_root)
+            probe._remove_group()
         if done.returncode != 0 or done.stdout.strip() != b"ok":
             why = (done.stderr.decode(errors="replace").strip().splitlines() or [f"exit status {done.returncode}"])[-1]
             raise SandboxUnavailable(
@@ -278,9 +302,9 @@ class Sandbox:
         _AVAILABLE.add(python)
 
     def _trial_run(self, cgroups: _Cgroups) -> subprocess.CompletedProcess:
-        """``print('ok')`` in a full sandbox: scratch tmpfs, call cgroup and all."""
+        """``print('ok')`` in a full sandbox: scratch tmpfs, sandbox and call cgroups and all."""
         scratch = self.new_scratch()
-        call = cgroups.new_call(self.limits)
+        call = self._calls_parent(cgroups).new_call(self.limits)
         code_fd = _code_fd("print('ok')")
         try:
             return subprocess.run(
@@ -322,6 +346,24 @@ class Sandbox:
         self._scratch_root.mkdir(parents=True, exist_ok=True)
         return self._scratch_root
 
+    # ----------------------------------------------------------------------- the shared bound
+
+    def _calls_parent(self, cgroups: _Cgroups) -> _Cgroups:
+        """Where this sandbox's calls get their cgroups: its own cgroup, capped at
+        ``total_memory_mb``, made on first use and removed with the sandbox object (or at exit).
+        The pages a call writes to a scratch tmpfs stay charged after its cgroup is removed, and
+        a charge counts in every ancestor: here they keep counting against this one bound, where
+        under the shared ``CGROUP_PARENT`` nothing bounded them across rollouts."""
+        if self._group is None:
+            self._group = cgroups.new_sandbox(self.limits)
+            self._group_finalizer = weakref.finalize(self, self._group.remove)
+        return self._group.children()
+
+    def _remove_group(self) -> None:
+        if self._group_finalizer is not None:
+            self._group_finalizer()
+        self._group = self._group_finalizer = None
+
     # ----------------------------------------------------------------------- running
 
     async def run_python(self, code: str, scratch: str | Path) -> SandboxResult:
@@ -344,7 +386,7 @@ class Sandbox:
         if isinstance(cgroups, str):
             return SandboxResult("", "", None, f"sandbox failed to start: {cgroups}")
         try:
-            call = cgroups.new_call(self.limits)
+            call = self._calls_parent(cgroups).new_call(self.limits)
         except OSError as e:
             return SandboxResult("", "", None, f"sandbox failed to start: cannot make its cgroup: {e}")
         try:
@@ -352,7 +394,7 @@ class Sandbox:
         finally:
             call.remove()
 
-    async def _run_in(self, call: _CallCgroup, code: str, scratch: Path) -> SandboxResult:
+    async def _run_in(self, call: _Cgroup, code: str, scratch: Path) -> SandboxResult:
         limit = self.limits.max_output_chars
         stdout, stderr = _Capture(limit), _Capture(limit)
         code_fd = _code_fd(code)
@@ -377,15 +419,21 @@ class Sandbox:
         await _end(process, readers)
         exit_code = None if timed_out else process.returncode
         ending = stderr.end.decode("utf-8", errors="replace")
-        error = self._diagnose(ending, exit_code, timed_out, call.oom_killed())
+        killed = None
+        if call.oom_killed():  # at the call's own limit, or at the sandbox's that it shares
+            killed = "call" if call.reached_own_limit(self.limits.call_memory_mb << 20) else "shared"
+        error = self._diagnose(ending, exit_code, timed_out, killed)
         return SandboxResult(stdout.text(), stderr.text(), exit_code, error)
 
-    def _diagnose(self, stderr_end: str, exit_code: int | None, timed_out: bool, oom_killed: bool) -> str | None:
-        """The one-line error of a run, from how it ended, its cgroup's OOM kills and the end
-        of its stderr (see ``SandboxResult.error``)."""
+    def _diagnose(self, stderr_end: str, exit_code: int | None, timed_out: bool, oom_killed: str | None) -> str | None:
+        """The one-line error of a run, from how it ended, its cgroup's OOM kills (``call``: at
+        its own limit, ``shared``: at the sandbox's, which other calls and scratch fill too)
+        and the end of its stderr (see ``SandboxResult.error``)."""
         limits = self.limits
-        if oom_killed:  # whatever else happened after, this is what the program has to fix
+        if oom_killed == "call":  # whatever else happened after, this is what the program has to fix
             return f"memory limit of {limits.call_memory_mb} MB for the whole call reached (killed)"
+        if oom_killed == "shared":
+            return f"shared memory limit of {limits.total_memory_mb} MB (all running calls and scratch files together) reached (killed)"
         if timed_out:
             return f"timed out after {limits.wall_s:g} s (wall-clock limit)"
         if exit_code is None or exit_code == 0:
@@ -412,7 +460,7 @@ class Sandbox:
 
     # ----------------------------------------------------------------------- the command
 
-    def _command(self, scratch: Path, code_fd: int, call: _CallCgroup) -> list[str]:
+    def _command(self, scratch: Path, code_fd: int, call: _Cgroup) -> list[str]:
         """The launcher (with the call's cgroups to join), then bwrap's argv: namespaces and
         mounts, then (as root) the drop to ``nobody`` in a user namespace of its own, then the
         rlimits, ``nice`` and the interpreter."""
@@ -492,8 +540,9 @@ class Sandbox:
 
 
 @dataclass(frozen=True)
-class _CallCgroup:
-    """The cgroup(s) of one call: one cgroup2 directory, or a v1 memory and a v1 pids one."""
+class _Cgroup:
+    """The cgroup(s) of one call or one sandbox: one cgroup2 directory, or a v1 memory and a v1
+    pids one."""
 
     version: int
     memory_dir: Path
@@ -518,9 +567,36 @@ class _CallCgroup:
                     return int(value) > 0
         return False
 
+    def reached_own_limit(self, limit_bytes: int) -> bool:
+        """Whether the call's memory came up to its own limit, rather than an ancestor's (v2
+        ``memory.events`` ``max``, counted where the limit was hit and upwards; v1 the peak of
+        memory and of memory + swap, within a huge page of the limit: the v1 ``failcnt`` files
+        stay 0 on the 6.18 kernel measured)."""
+        with contextlib.suppress(OSError, ValueError):
+            if self.version == 1:
+                names = ("memory.max_usage_in_bytes", "memory.memsw.max_usage_in_bytes")
+                peaks = [int(f.read_text()) for f in (self.memory_dir / n for n in names) if f.exists()]
+                return max(peaks, default=0) + HUGE_PAGE >= limit_bytes
+            for line in (self.memory_dir / "memory.events").read_text().splitlines():
+                key, _, value = line.partition(" ")
+                if key == "max":
+                    return int(value) > 0
+        return False
+
+    def children(self) -> _Cgroups:
+        """This cgroup as the parent of others (the calls of a sandbox)."""
+        return _Cgroups(self.version, self.memory_dir, self.pids_dir)
+
     def remove(self) -> None:
-        """SIGKILL whatever is left in the call's cgroups, then remove them. Usually nothing is
-        (the launcher reaped the PID namespace), so this costs a read and an rmdir."""
+        """SIGKILL whatever is left in the cgroups (child cgroups first), then remove them.
+        Usually nothing is (the launcher reaped the PID namespace), so this costs a read and an
+        rmdir."""
+        names = set()
+        for directory in self.dirs:
+            with contextlib.suppress(OSError):
+                names |= {child.name for child in directory.iterdir() if child.is_dir()}
+        for name in sorted(names):  # a sandbox's calls still running at exit
+            _Cgroup(self.version, self.memory_dir / name, self.pids_dir / name).remove()
         deadline = time.monotonic() + CLEANUP_TIMEOUT_S
         if self.version == 2 and (self.memory_dir / "cgroup.kill").exists():
             with contextlib.suppress(OSError):
@@ -551,28 +627,39 @@ class _Cgroups:
     memory_parent: Path
     pids_parent: Path
 
-    def new_call(self, limits: SandboxLimits) -> _CallCgroup:
+    def new_call(self, limits: SandboxLimits) -> _Cgroup:
         """A fresh cgroup for one call, its limits set before anything joins it."""
-        name = f"call-{os.getpid()}-{next(_CALL_NUMBERS)}"
-        call = _CallCgroup(self.version, self.memory_parent / name, self.pids_parent / name)
-        for directory in call.dirs:
-            directory.mkdir()
-        try:
-            memory, pids = str(limits.call_memory_mb << 20), str(limits.max_procs + BWRAP_PROCS)
+        return self._new_child("call", limits.call_memory_mb, limits.max_procs + BWRAP_PROCS)
+
+    def new_sandbox(self, limits: SandboxLimits) -> _Cgroup:
+        """A fresh cgroup for the calls of one sandbox, capped at ``total_memory_mb`` (no
+        process of its own: v2 lets only such a cgroup pass controllers to its children)."""
+        return self._new_child("sandbox", limits.total_memory_mb, None)
+
+    def _new_child(self, kind: str, memory_mb: int, pids: int | None) -> _Cgroup:
+        name = f"{kind}-{os.getpid()}-{next(_CGROUP_NUMBERS)}"
+        child = _Cgroup(self.version, self.memory_parent / name, self.pids_parent / name)
+        try:  # a failure half-way (the v1 pids dir, a limit refused) leaves nothing behind
+            for directory in child.dirs:
+                directory.mkdir()
+            memory = str(memory_mb << 20)
             if self.version == 2:
-                _write(call.memory_dir / "memory.max", memory)
-                _write(call.memory_dir / "memory.swap.max", "0", optional=True)
+                _write(child.memory_dir / "memory.max", memory)
+                _write(child.memory_dir / "memory.swap.max", "0", optional=True)
             else:  # memsw (memory + swap) may only be set once the memory limit is
-                _write(call.memory_dir / "memory.limit_in_bytes", memory)
-                _write(call.memory_dir / "memory.memsw.limit_in_bytes", memory, optional=True)
-            _write(call.pids_dir / "pids.max", pids)
+                _write(child.memory_dir / "memory.limit_in_bytes", memory)
+                _write(child.memory_dir / "memory.memsw.limit_in_bytes", memory, optional=True)
+            if pids is not None:
+                _write(child.pids_dir / "pids.max", str(pids))
+            else:  # a parent of calls: they need memory and pids too
+                _write(child.memory_dir / "cgroup.subtree_control", "+memory +pids", optional=True)
         except OSError:
-            call.remove()
+            child.remove()
             raise
-        return call
+        return child
 
 
-_CALL_NUMBERS = itertools.count()
+_CGROUP_NUMBERS = itertools.count()
 _FOUND_CGROUPS: list[_Cgroups | str] = []
 """The cached answer of ``_find_cgroups`` (the hierarchy does not change under us)."""
 
