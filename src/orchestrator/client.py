@@ -20,9 +20,15 @@ The API key goes only to a server that proved it holds it: for a server this run
 (``own_server``, the default) each replica first answers the identity challenge of
 ``prime_rl.keys`` without the key, and only then gets the key on its requests, /health
 included. Something else on the port (any other answer) never sees the key, and the start-up
-wait fails naming it. A replica whose port stops accepting connections must prove itself
-again before the next request (the port may have changed hands). An external endpoint's key
-(``own_server=False``) is meant for whoever answers at its URL and is sent from the start.
+wait fails naming it. After any failed exchange with a replica (refused or dropped connection,
+timeout, a broken or undecodable answer, a 5xx, a 401/403) it must prove itself again before
+the key goes out again: the server may have crashed and another program taken its port, and
+such an answer may already be that program's. An external endpoint's key (``own_server=False``)
+is meant for whoever answers at its URL and is sent from the start.
+
+Not covered: a server that dies while no request is in flight, and a program that takes its
+port before the next request opens a new connection; nothing fails in between, so nothing
+says to ask again (binding the proof to each connection needs TLS, ``prime_rl.keys``).
 
 The client knows nothing about environments, steps or the run directory.
 """
@@ -58,6 +64,9 @@ PROBE_PROMPT_IDS = tuple(range(1, 17))
 PROBE_TOLERANCE = 1e-3
 # Server-side errors worth another try: overloaded, restarting, or behind a failing proxy.
 TRANSIENT_STATUS = frozenset({500, 502, 503, 504})
+# Answers after which a replica must prove itself again before it gets the key: a 5xx may come
+# from whatever took the port after a crash, and our server never refuses its own key (401/403).
+DISTRUSTED_STATUS = frozenset({401, 403}) | frozenset(range(500, 600))
 
 FULL_DISTRIBUTION: dict[str, float | int] = {
     "top_p": 1.0,
@@ -177,10 +186,7 @@ class InferenceClient:
         async with self._generation() as replica:
             path = "/chat/completions" if replica.url.endswith("/v1") else "/v1/chat/completions"
             response = await self._post(replica, path, json=body)
-        try:
-            payload = response.json()
-        except ValueError:
-            raise InferenceError(f"POST {replica.url}{path} answered non-JSON: {response.text[:200]!r}") from None
+        payload = self._json(replica, response, path)
         choices = sorted(payload.get("choices") or [], key=lambda c: c.get("index", 0))
         if len(choices) != n:
             raise InferenceError(
@@ -207,7 +213,7 @@ class InferenceClient:
             body["cache_salt"] = cache_salt(sent)
             response = await self._post(replica, "/v1/completions", json=body)
         versions = (sent, self.version)
-        results = parse_completion_choices(response.json(), list(prompt_ids), versions)
+        results = parse_completion_choices(self._json(replica, response, "/v1/completions"), list(prompt_ids), versions)
         if len(results) != n:
             raise InferenceError(f"{replica.url}: asked for {n} choices, the server returned {len(results)}")
         return results
@@ -236,7 +242,7 @@ class InferenceClient:
         body = {"model": self.model_name, "prompt": [list(p) for p in prompts], "max_tokens": 1, "prompt_logprobs": k}
         async with self._generation() as replica:
             response = await self._post(replica, "/v1/completions", json=body)
-        payload = response.json()
+        payload = self._json(replica, response, "/v1/completions")
         choices = payload.get("choices") if isinstance(payload, dict) else None
         if not isinstance(choices, list) or len(choices) != len(prompts):
             raise InferenceError(f"{replica.url}: sent {len(prompts)} prompts, got {len(choices or [])} choices back")
@@ -250,7 +256,7 @@ class InferenceClient:
             response = await self._post(
                 replica, "/tokenize", json={"model": self.model_name, "prompt": text, "add_special_tokens": False}
             )
-        payload = response.json()
+        payload = self._json(replica, response, "/tokenize")
         if not isinstance(payload, dict) or not isinstance(payload.get("tokens"), list):
             raise InferenceError(f"POST {replica.url}/tokenize answered no token ids: {str(payload)[:200]}")
         limit = payload.get("max_model_len")
@@ -274,7 +280,8 @@ class InferenceClient:
         async with self._slots:
             replica = self._pick_replica()
             response = await self._post(replica, "/v1/chat/completions/derender", json=body)
-        choices = sorted(response.json().get("choices") or [], key=lambda c: c.get("index", 0))
+        payload = self._json(replica, response, "/v1/chat/completions/derender")
+        choices = sorted((payload.get("choices") if isinstance(payload, dict) else None) or [], key=lambda c: c.get("index", 0))
         if len(choices) != len(completions):
             raise InferenceError(
                 f"{replica.url}: tool-call parsing: sent {len(completions)} completions, got {len(choices)} back"
@@ -346,8 +353,10 @@ class InferenceClient:
                 response = await replica.http.get("/health", timeout=timeout)
                 if response.status_code == 200:
                     return
+                self._forget_trust(replica)  # not our healthy server: the next poll asks the proof again
                 last = f"status {response.status_code}"
-            except httpx.TransportError as e:
+            except httpx.RequestError as e:
+                self._forget_trust(replica)
                 last = f"{type(e).__name__}: {e}"
             if time.monotonic() >= deadline:
                 raise TimeoutError(
@@ -411,7 +420,7 @@ class InferenceClient:
         }
         async with self._slots:
             response = await self._post(replica, "/v1/completions", json=body)
-        return _prompt_logprob_sum(response.json(), replica.url)
+        return _prompt_logprob_sum(self._json(replica, response, "/v1/completions"), replica.url)
 
     async def _on_every_replica(self, fn: Callable[[Replica], Awaitable[_T]]) -> list[_T]:
         """``fn`` on every replica concurrently; waits for all of them (a reload is never
@@ -480,11 +489,28 @@ class InferenceClient:
             replica.trusted = True
 
     def _forget_trust(self, replica: Replica) -> None:
-        """Nothing accepts connections on the replica's port any more: whatever comes back
-        there must prove itself again before it gets the key."""
+        """An exchange with the replica failed (``_post_with_retries`` and the health wait say
+        which): the port may have changed hands, so whatever answers there next must prove
+        itself again before it gets the key. Requests already sent are not recalled."""
         if self.prove_first:
             replica.trusted = False
             replica.http.headers.pop("Authorization", None)
+
+    def _json(self, replica: Replica, response: httpx.Response, path: str) -> Any:
+        """The JSON of a 200 answer; one that is not JSON was not our server's (it may be what
+        took the port): the replica's trust is dropped and InferenceError names the call."""
+        try:
+            return response.json()
+        except ValueError:
+            self._forget_trust(replica)
+            raise InferenceError(f"POST {replica.url}{path} answered non-JSON: {response.text[:200]!r}") from None
+
+    def _check_answer(self, replica: Replica, response: httpx.Response) -> httpx.Response:
+        """``response``, after dropping the replica's trust when its status is one our server
+        would not give its own client while healthy (``DISTRUSTED_STATUS``)."""
+        if response.status_code in DISTRUSTED_STATUS:
+            self._forget_trust(replica)
+        return response
 
     # ----------------------------------------------------------------------- plumbing
 
@@ -502,7 +528,7 @@ class InferenceClient:
             if not check:
                 return None
             raise InferenceError(f"POST {url}: no answer within {self.config.timeout_s:g} s ({tries})") from None
-        except httpx.TransportError as e:
+        except httpx.RequestError as e:  # transport errors, and answers that cannot be decoded
             if not check:
                 return None
             raise InferenceError(f"POST {url} failed: {type(e).__name__}: {e} ({tries})") from None
@@ -516,17 +542,17 @@ class InferenceClient:
         """Retry transient failures with exponential backoff: a dropped or refused connection
         (vLLM restarting), a timeout, an HTTP 5xx. The last failure is returned or raised.
         Without ``resend_unanswered`` only a refused connection (never received) and a 5xx
-        (answered) are retried. Retries stay on the same replica: a reload must reach it."""
+        (answered) are retried. Retries stay on the same replica: a reload must reach it. Any
+        failure drops the replica's trust first, so a retry re-proves it before the key goes out."""
         for attempt in range(self.config.max_retries + 1):
             last = attempt == self.config.max_retries
             try:
                 await self._ensure_trusted(replica)
-                response = await replica.http.post(path, **kwargs)
+                response = self._check_answer(replica, await replica.http.post(path, **kwargs))
                 if response.status_code not in TRANSIENT_STATUS or last:
                     return response
-            except httpx.TransportError as e:  # connect/read/write errors and timeouts
-                if isinstance(e, httpx.ConnectError):
-                    self._forget_trust(replica)
+            except httpx.RequestError as e:  # connect/read/write/protocol errors, timeouts, undecodable bodies
+                self._forget_trust(replica)
                 if last or not (resend_unanswered or isinstance(e, httpx.ConnectError)):
                     raise
             self.retries += 1
