@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from prime_rl.envs import Environment, Example, ModelClient, ModelReply, PromptTooLong, Rollout, Turn
+from prime_rl.keys import private_opener
 
 from orchestrator.sampler import sequence_so_far
 from orchestrator.worker import vfworker_wire as wire
@@ -67,7 +68,7 @@ class WorkerProcess:
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONHOME", "VIRTUAL_ENV")}
         if tokenizer is not None:  # a v1 taskset's client renders prompts with the policy's tokenizer
             env["PRIME_RL_TOKENIZER"] = str(tokenizer)
-        with open(log, "ab") as out:
+        with open(log, "ab", opener=private_opener) as out:  # the environment's own output may quote its args
             # Same process group as the orchestrator (no new session): the launcher's stop of
             # the orchestrator's group stops the worker too.
             self.proc = subprocess.Popen(

@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 from prime_rl.config import EvalEnvConfig, EvalRunConfig
 from prime_rl.envs import Environment, Example, ModelClient, Rollout
+from prime_rl.keys import redact
 from prime_rl.registry import PASS_PARSER
 from prime_rl.rundir import log_path, write_failed, write_json_atomic
 from prime_rl.settings import ConfigError, help_text, process_config
@@ -183,7 +184,8 @@ def save_results(cfg: EvalRunConfig, result: EnvResult, started: float) -> Path:
             for row in result_rows(result):
                 f.write(json.dumps(row, default=str) + "\n")
         os.replace(tmp, folder / "results.jsonl")
-        write_json_atomic(folder / "summary.json", summary(cfg, result, started))
+        # the env's args and the endpoint's URL are the user's: redacted, and only theirs to read
+        write_json_atomic(folder / "summary.json", redact(summary(cfg, result, started)), private=True)
     except OSError as e:
         raise write_failed("eval results", folder, e) from e
     return folder

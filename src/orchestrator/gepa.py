@@ -36,6 +36,7 @@ import numpy as np
 from gepa.core.result import GEPAResult
 from prime_rl.config import ClientConfig, EvalTarget, GepaRunConfig
 from prime_rl.envs import Environment, Example
+from prime_rl.keys import private_opener, redact
 from prime_rl.rundir import write_failed, write_json_atomic
 from prime_rl.settings import ConfigError, help_text, one_line, process_config
 from rich.console import Console
@@ -119,7 +120,7 @@ class SearchLog:
     def __init__(self, path: Path):
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
-        self.file = open(path, "a")
+        self.file = open(path, "a", opener=private_opener)  # proposals may quote the env's data
 
     def log(self, message: str) -> None:
         self.file.write(f"{message}\n")
@@ -214,7 +215,8 @@ def write_outputs(cfg: GepaRunConfig, task: Task, result: GEPAResult, rollouts: 
                 score = result.val_subscores[holders[0]][val_id]
                 row = {"example_id": task.val[val_id].id, "score": score, "candidates": holders, "prompt": candidates[holders[0]]}
                 f.write(json_line(row))
-        write_json_atomic(folder / "metadata.json", {
+        # the env's args are the user's: redacted, and only theirs to read
+        write_json_atomic(folder / "metadata.json", redact({
             "env": {"id": cfg.env[0].id, "name": task.name, "args": cfg.env[0].args},
             "model": cfg.target.model,
             "reflection_model": cfg.reflection_target.model,
@@ -232,7 +234,7 @@ def write_outputs(cfg: GepaRunConfig, task: Task, result: GEPAResult, rollouts: 
             "run_id": cfg.run_id,
             "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
             "time_s": time.time() - started,
-        })
+        }), private=True)
     except OSError as e:
         raise write_failed("GEPA results", folder, e) from e
     return folder

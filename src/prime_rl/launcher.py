@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING
 import psutil
 
 from prime_rl.heartbeat import Beat, heartbeat_path, read_heartbeats
+from prime_rl.keys import private_opener
 from prime_rl.rundir import log_path
 from prime_rl.status import StatusOptions, StatusPrinter, record_event
 
@@ -126,7 +127,7 @@ class Launcher:
                 continue
             log = log_path(self.run_dir, spec.name)
             log.parent.mkdir(parents=True, exist_ok=True)
-            with open(log, "ab") as out:
+            with open(log, "ab", opener=private_opener) as out:  # an error line may quote a config's secret
                 self.procs[spec.name] = self._popen(spec, stdout=out, stderr=subprocess.STDOUT)
 
     @staticmethod

@@ -21,7 +21,9 @@ from pathlib import Path
 from prime_rl.config import EnvConfig
 from prime_rl.envs import DatasetUnavailable, Environment
 from prime_rl.envs.sandbox import SandboxUnavailable
+from prime_rl.keys import redact, scrub
 from prime_rl.registry import ProbeError, builtins, check_worker_python, resolve, verifiers_api
+from prime_rl.settings import one_line
 
 from orchestrator.envworker import EnvironmentWorkerError, WorkerEnvironment, start_worker_env
 
@@ -35,11 +37,22 @@ LOAD_TIMEOUT_S = 900.0
 def load_env(env_cfg: EnvConfig, run_dir: Path | None = None, tokenizer: str | None = None) -> Environment:
     """Built-in id (``primeintellect/`` prefix allowed) or a user's module, in this Python or in
     a worker (its log: ``run_dir``/logs/env-<name>.log); any problem is a ValueError naming the environment
-    and what was expected. ``tokenizer`` (the policy's) is what a v1 taskset renders prompts with."""
-    if env_cfg.python is not None:
-        env = worker_env(env_cfg, str(Path(env_cfg.python).expanduser()), run_dir, tokenizer)
-    else:
-        env = local_env(env_cfg, run_dir, tokenizer)
+    and what was expected. ``tokenizer`` (the policy's) is what a v1 taskset renders prompts with.
+    No message quotes a secret of the entry's args (echoed back, or in the environment's own
+    error): it goes to orchestrator.log (``prime_rl.keys.scrub``)."""
+    try:
+        if env_cfg.python is not None:
+            env = worker_env(env_cfg, str(Path(env_cfg.python).expanduser()), run_dir, tokenizer)
+        else:
+            env = local_env(env_cfg, run_dir, tokenizer)
+    except Exception as e:
+        said = "\n".join(str(x) for x in causes(e))
+        if scrub(said, env_cfg.args) == said:
+            raise
+        # the traceback would quote the secret: one line, without the chain that holds it
+        what = str(e) if isinstance(e, ValueError) else \
+            f"environment {env_cfg.id!r}: load_environment() raised {type(e).__name__}: {one_line(e)}"
+        raise ValueError(scrub(what, env_cfg.args)) from None
     if not env.dataset and not env.eval_dataset:
         env.close()
         raise ValueError(f"environment {env_cfg.id!r}: load_environment() returned an environment with no examples")
@@ -69,7 +82,7 @@ def local_env(env_cfg: EnvConfig, run_dir: Path | None, tokenizer: str | None) -
     try:
         env = load(**env_cfg.args)
     except TypeError as e:  # usually a wrong keyword in [[env]] args
-        raise ValueError(f"environment {env_cfg.id!r}: load_environment(**{env_cfg.args!r}) failed: {e}") from e
+        raise ValueError(f"environment {env_cfg.id!r}: load_environment(**{redact(env_cfg.args)!r}) failed: {e}") from e
     except (DatasetUnavailable, SandboxUnavailable) as e:
         raise ValueError(f"environment {env_cfg.id!r}: {e}") from e
     finally:
@@ -81,6 +94,15 @@ def local_env(env_cfg: EnvConfig, run_dir: Path | None, tokenizer: str | None) -
             "prime_rl.envs.Environment (SingleTurnEnv, MultiTurnEnv or a subclass) or a verifiers environment"
         )
     return env
+
+
+def causes(error: BaseException) -> list[BaseException]:
+    """``error`` and the exceptions it was raised from or during (a traceback shows them all)."""
+    chain: list[BaseException] = []
+    while error is not None and error not in chain and len(chain) < 32:
+        chain.append(error)
+        error = error.__cause__ or (None if error.__suppress_context__ else error.__context__)
+    return chain
 
 
 def is_verifiers(module) -> bool:

@@ -8,6 +8,7 @@ import sys
 
 from prime_rl.commands.common import OUTPUT_DIR, checked_output_dir, make_dir, print_help
 from prime_rl.config import SFTConfig
+from prime_rl.keys import holds_secret
 from prime_rl.resolve import checked_model_path
 from prime_rl.rundir import write_json_atomic
 from prime_rl.settings import ConfigError, load_config, split_argv
@@ -25,7 +26,8 @@ def main(argv: list[str]) -> int:
     out = checked_output_dir(config.output_dir, OUTPUT_DIR)
     resolved = out / "configs" / "sft.json"
     make_dir(resolved.parent, OUTPUT_DIR)
-    write_json_atomic(resolved, config.model_dump(mode="json"))
+    data = config.model_dump(mode="json")
+    write_json_atomic(resolved, data, private=holds_secret(data))  # as the RL launcher's configs
     cmd = [sys.executable, "-m", "trainer.sft", "--config", str(resolved)]
     try:
         return subprocess.call(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
