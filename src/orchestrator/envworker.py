@@ -15,6 +15,12 @@ Lifecycle: the worker is in the orchestrator's process group (the launcher's sto
 it) and dies with it (PR_SET_PDEATHSIG, the socket's end). A worker that exits, or sends
 nothing, not even its heartbeat, for ``worker_timeout_s``, fails the run with one line that
 names the environment and its log.
+
+What the worker sends is the user's code talking: every frame is decoded under a size budget
+(``vfworker_wire``) and checked against its op's shape (``orchestrator.envframes``) before
+anything acts on it. A bad frame kills the worker and fails every waiting group at once, in
+one line naming the op and field; a non-finite reward or metric scores 0 and is counted as
+its function's error (``errors/<env>/<fn>``), as the built-in rubric does.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from typing import Any
 from prime_rl.envs import Environment, Example, ModelClient, ModelReply, PromptTooLong, Rollout, Turn
 from prime_rl.keys import private_opener
 
+from orchestrator import envframes as frames
 from orchestrator.sampler import sequence_so_far
 from orchestrator.worker import vfworker_wire as wire
 
@@ -54,6 +61,7 @@ class WorkerExample(Example):
 class _Group:
     client: ModelClient
     future: asyncio.Future
+    n: int
     turns: dict[str, list[Turn]] = field(default_factory=dict)
     last: dict[str, ModelReply] = field(default_factory=dict)
 
@@ -78,34 +86,47 @@ class WorkerProcess:
             )
         child.close()
 
-    def load(self, env_id: str, module: str, args: dict[str, Any], api: str, timeout_s: float) -> dict[str, Any]:
+    def load(self, env_id: str, module: str, args: dict[str, Any], api: str, timeout_s: float) -> frames.Loaded:
         """Send `load` (``api``: `classic` or `v1`) and wait for `loaded`; EnvironmentWorkerError
-        with the worker's reason."""
+        with the worker's reason, or naming what was wrong with its answer."""
         wire.send_blocking(self.sock, {"op": "load", "id": env_id, "module": module, "args": args, "api": api})
+        answer = self._answer_to_load(env_id, timeout_s)
+        try:
+            loaded = frames.parse(answer, frames.LOADING)
+        except frames.FrameError as e:
+            self.kill()
+            raise EnvironmentWorkerError(f"environment {env_id!r}: its worker answered the load with {e} "
+                                         f"(killed; log: {self.log})") from None
+        if isinstance(loaded, frames.LoadFailed):
+            self.close()
+            raise EnvironmentWorkerError(f"environment {env_id!r}: {loaded.message}")
+        return loaded
+
+    def _answer_to_load(self, env_id: str, timeout_s: float) -> dict[str, Any]:
         deadline = time.monotonic() + timeout_s
         while True:
             try:
-                answer = wire.recv_blocking(self.sock, timeout_s=LOAD_POLL_S)
-                break
+                return wire.recv_blocking(self.sock, timeout_s=LOAD_POLL_S)
             except TimeoutError:
                 if time.monotonic() > deadline:
                     self.kill()
                     raise EnvironmentWorkerError(
                         f"environment {env_id!r}: loading took longer than {timeout_s:.0f} s in its worker (log: {self.log})"
                     ) from None
-            except wire.WireError:
-                code = self.proc.wait(timeout=10)
+            except wire.WireError as e:
+                if str(e) != wire.CLOSED:  # garbage: the worker is out of step, and may still be running
+                    self.kill()
+                    raise EnvironmentWorkerError(f"environment {env_id!r}: a bad frame from its worker while "
+                                                 f"loading: {e} (killed; log: {self.log})") from None
+                try:
+                    how = f"exited with code {self.proc.wait(timeout=10)}"
+                except subprocess.TimeoutExpired:
+                    self.kill()
+                    how = "closed its socket (killed)"
                 raise EnvironmentWorkerError(
-                    f"environment {env_id!r}: its worker exited with code {code} while loading; last line of its log "
+                    f"environment {env_id!r}: its worker {how} while loading; last line of its log "
                     f"{self.log}: {last_line(self.log)}"
                 ) from None
-        if answer["op"] == "error":
-            self.close()
-            raise EnvironmentWorkerError(f"environment {env_id!r}: {answer['message']}")
-        if answer["op"] != "loaded":
-            self.kill()
-            raise EnvironmentWorkerError(f"environment {env_id!r}: its worker answered {answer['op']!r} instead of `loaded`")
-        return answer
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Ask the worker to stop, then make sure it did."""
@@ -131,23 +152,25 @@ class WorkerProcess:
 class WorkerEnvironment(Environment):
     """An environment played by a worker process; examples and tools as the worker reported them."""
 
-    def __init__(self, name: str, env_id: str, worker: WorkerProcess, loaded: dict[str, Any], max_concurrent: int,
+    def __init__(self, name: str, env_id: str, worker: WorkerProcess, loaded: frames.Loaded, max_concurrent: int,
                  timeout_s: float):
         self.name, self.env_id, self.worker = name, env_id, worker
-        self.kind, self.verifiers = loaded["kind"], loaded["verifiers"]
-        self.renders_prompts = loaded.get("api") == "v1"
+        self.kind, self.verifiers = loaded.kind, loaded.verifiers
+        self.renders_prompts = loaded.api == "v1"
         """v1's client renders prompts to token ids itself (checked to extend the sampled turns
         on every call), so prime-rl's chat template check does not apply to it."""
-        self.env_class = loaded.get("env_class")
+        self.env_class = loaded.env_class
         self.timeout_s = timeout_s
         self.max_concurrent = max_concurrent
-        self.tool_defs = list(loaded.get("tools") or [])
+        self.tool_defs = list(loaded.tools)
         super().__init__(
-            dataset=examples(loaded.get("dataset"), "train"),
-            eval_dataset=examples(loaded.get("eval_dataset"), "eval"),
-            system_prompt=loaded.get("system_prompt"),
-            max_turns=int(loaded.get("max_turns") or 1),
+            dataset=examples(loaded.dataset, "train"),
+            eval_dataset=examples(loaded.eval_dataset, "eval"),
+            system_prompt=loaded.system_prompt,
+            max_turns=loaded.max_turns or 1,
         )
+        self._counted: set[str] = set()
+        """Names whose non-finite values were already explained in the log (once each)."""
         self._groups: dict[int, _Group] = {}
         self._ids = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -169,7 +192,7 @@ class WorkerEnvironment(Environment):
             if self._failure is not None:
                 raise self._failure
             gid = next(self._ids)
-            group = self._groups[gid] = _Group(client, asyncio.get_running_loop().create_future())
+            group = self._groups[gid] = _Group(client, asyncio.get_running_loop().create_future(), n)
             split = example.split if isinstance(example, WorkerExample) else "train"
             try:
                 await self._writer.send({"op": "run_group", "group": gid, "split": split, "index": example.id,
@@ -183,28 +206,39 @@ class WorkerEnvironment(Environment):
                 self._groups.pop(gid, None)
         return [self._rollout(example, group, result) for result in results]
 
-    def _rollout(self, example: Example, group: _Group, result: dict[str, Any]) -> Rollout:
-        key = result["rollout"]
+    def _rollout(self, example: Example, group: _Group, result: frames.RolloutResult) -> Rollout:
+        key = result.rollout
         turns = group.turns.get(key, [])
         last = group.last.get(key)
-        metrics = dict(result.get("metrics") or {})
-        errors = tuple(result.get("errors") or ())
+        reward, metrics, errors, counted = frames.finite_scores(result.reward, result.metrics, result.errors)
+        self._explain(counted, result)
         if "rollout_error" in errors:
             metrics["rollout_error"] = 1.0
         state = {"answer": example.answer, "info": dict(example.info), "task": example.task, "turn": len(turns),
-                 "stop_condition": result.get("stop_condition"), "error": result.get("error"), "rollout": key}
+                 "stop_condition": result.stop_condition, "error": result.error, "rollout": key}
         return Rollout(
             example_id=example.id,
             turns=list(turns),
-            reward=float(result.get("reward") or 0.0),
+            reward=reward,
             prompt=list(example.prompt),
-            completion=list(result.get("completion") or []),
+            completion=list(result.completion),
             metrics=metrics,
             errors=errors,
-            stop_condition=result.get("stop_condition") or "",
+            stop_condition=result.stop_condition,
             finish_reason=last.finish_reason if last is not None else None,
             state=state,
         )
+
+    def _explain(self, counted: list[str], result: frames.RolloutResult) -> None:
+        """Say once per name why a rollout scored 0 for it, as the built-in rubric does."""
+        for name in counted:
+            if name in self._counted:
+                continue
+            self._counted.add(name)
+            value = result.reward if name == frames.UNEXPLAINED else result.metrics.get(name)
+            what = "its reward" if name == frames.UNEXPLAINED else f"reward function {name!r}"
+            print(f"[orchestrator] environment {self.name!r}: {what} was {value}, not a finite number; it scores 0 "
+                  f"for that rollout (counted in errors/{self.name}/{name}; said once)", flush=True)
 
     async def _cancel(self, gid: int) -> None:
         try:
@@ -246,7 +280,8 @@ class WorkerEnvironment(Environment):
                     ) from None
                 except wire.WireError as e:
                     if str(e) != wire.CLOSED:
-                        raise EnvironmentWorkerError(f"environment {self.name!r}: a bad frame from its worker: {e}") from None
+                        raise EnvironmentWorkerError(f"environment {self.name!r}: a bad frame from its worker: {e} "
+                                                     f"(killed; log: {self.worker.log})") from None
                     code = self.worker.proc.poll()
                     if code is None:
                         try:
@@ -266,52 +301,64 @@ class WorkerEnvironment(Environment):
             self._fail(EnvironmentWorkerError(f"environment {self.name!r}: bad frame from its worker: {type(e).__name__}: {e}"))
 
     def _fail(self, error: BaseException) -> None:
+        """The worker cannot go on (it hangs, died, or is out of step): every waiting group
+        fails now with ``error``, and so does every later one."""
         self._failure = error
+        self.worker.kill()
         for group in self._groups.values():
             if not group.future.done():
                 group.future.set_exception(error)
 
     def _dispatch(self, message: dict[str, Any]) -> None:
-        op = message["op"]
-        if op == "heartbeat":
+        try:
+            frame = frames.parse(message, frames.SERVING)
+        except frames.FrameError as e:
+            raise EnvironmentWorkerError(f"environment {self.name!r}: its worker sent {e} (killed; log: "
+                                         f"{self.worker.log})") from None
+        if isinstance(frame, frames.Heartbeat):
             return
-        group = self._groups.get(message.get("group"))
-        if op in ("model", "generate"):
-            if group is not None:
-                self._loop.create_task(self._answer(group, message))
-        elif op == "group_done":
-            if group is not None and not group.future.done():
-                group.future.set_result(message["rollouts"])
-        elif op == "group_failed":
-            if group is not None and not group.future.done():
-                group.future.set_exception(EnvironmentWorkerError(f"environment {self.name!r}: {message['message']}"))
-        else:
-            raise EnvironmentWorkerError(f"unknown frame {op!r}")
+        group = self._groups.get(frame.group)
+        if group is None or group.future.done():  # a group already cancelled or failed here
+            return
+        if isinstance(frame, frames.ModelCall | frames.GenerateCall):
+            self._loop.create_task(self._answer(group, frame))
+        elif isinstance(frame, frames.GroupDone):
+            if len(frame.rollouts) != group.n:
+                raise EnvironmentWorkerError(f"environment {self.name!r}: its worker sent {len(frame.rollouts)} "
+                                             f"rollouts for a group of {group.n} (killed; log: {self.worker.log})")
+            group.future.set_result(frame.rollouts)
+        elif isinstance(frame, frames.GroupFailed):
+            group.future.set_exception(EnvironmentWorkerError(f"environment {self.name!r}: {frame.message}"))
 
-    async def _answer(self, group: _Group, message: dict[str, Any]) -> None:
+    async def _answer(self, group: _Group, message: frames.ModelCall | frames.GenerateCall) -> None:
         """One model call of the environment, sampled by the group's client. A worker that is
-        gone by the time the answer is ready is the reader's to report."""
+        gone by the time the answer is ready is the reader's to report; anything else that
+        fails here fails the group now (a task nobody awaits would leave it waiting)."""
         try:
             await self._sample_and_answer(group, message)
-        except wire.WireError:
-            pass
+        except wire.WireError as e:
+            if not str(e).startswith(wire.CLOSED) and not group.future.done():
+                group.future.set_exception(EnvironmentWorkerError(f"environment {self.name!r}: {e}"))
+        except Exception as e:  # noqa: BLE001 - see above
+            if not group.future.done():
+                group.future.set_exception(e)
 
-    async def _sample_and_answer(self, group: _Group, message: dict[str, Any]) -> None:
-        key = message["rollout"]
+    async def _sample_and_answer(self, group: _Group, message: frames.ModelCall | frames.GenerateCall) -> None:
+        key = message.rollout
         context = group.turns.setdefault(key, [])
-        tools = message.get("tools") or None
         try:
-            if message["op"] == "generate":  # token ids the environment rendered itself (v1 tasksets)
+            if isinstance(message, frames.GenerateCall):  # token ids the environment rendered itself (v1 tasksets)
                 extend = getattr(group.client, "extend", None)
                 if extend is None:
                     raise EnvironmentWorkerError(
                         f"environment {self.name!r} samples token ids, which a text-only endpoint cannot give"
                     )
-                reply = await extend(list(message["prompt_ids"]), context)
+                reply = await extend(list(message.prompt_ids), context)
             else:
-                (reply,) = await group.client.reply(message["messages"], context, 1, **({"tools": tools} if tools else {}))
+                tools = message.tools or None
+                (reply,) = await group.client.reply(message.messages, context, 1, **({"tools": tools} if tools else {}))
         except PromptTooLong as e:
-            await self._writer.send({"op": "model_error", "call": message["call"], "kind": "prompt_too_long", "message": str(e)})
+            await self._writer.send({"op": "model_error", "call": message.call, "kind": "prompt_too_long", "message": str(e)})
             return
         except Exception as e:  # noqa: BLE001 - inference failed: the group fails as a built-in's would
             if not group.future.done():
@@ -323,7 +370,7 @@ class WorkerEnvironment(Environment):
         if reply.turn is not None:
             context.append(reply.turn)
         group.last[key] = reply
-        await self._writer.send({"op": "model_reply", "call": message["call"], "reply": {
+        await self._writer.send({"op": "model_reply", "call": message.call, "reply": {
             "text": reply.text,
             "finish_reason": reply.finish_reason,
             "tool_calls": [{"id": c.id, "name": c.name, "arguments": c.arguments} for c in reply.tool_calls],
@@ -346,11 +393,10 @@ class WorkerEnvironment(Environment):
         self.worker.close()
 
 
-def examples(rows: list[dict[str, Any]] | None, split: str) -> list[WorkerExample] | None:
+def examples(rows: list[frames.ExampleRow] | None, split: str) -> list[WorkerExample] | None:
     if not rows:
         return None
-    return [WorkerExample(int(r["index"]), list(r["prompt"]), str(r.get("answer") or ""), dict(r.get("info") or {}),
-                          str(r.get("task") or "default"), split) for r in rows]
+    return [WorkerExample(r.index, list(r.prompt), r.answer, dict(r.info), r.task or "default", split) for r in rows]
 
 
 def last_line(log: Path) -> str:
