@@ -27,7 +27,7 @@ from orchestrator.client import InferenceClient, InferenceError
 from helpers import REPO, free_port, new_tag, stop_process_group, tagged_processes
 
 KEY = "sekret"
-ADMIN_ROUTES = ["/collective_rpc", "/pause", "/resume", "/reset_prefix_cache"]
+ADMIN_ROUTES = ["/collective_rpc", "/pause", "/resume", "/reset_prefix_cache", "/server_info", "/is_paused", "/sleep"]
 
 
 async def ok_app(scope, receive, send):

@@ -16,6 +16,8 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
@@ -316,11 +318,124 @@ def test_a_second_run_is_refused_while_another_holds_the_lease(tmp_path, tiny_mo
     port = stand_in(None)
     state = a_state(tiny_model, port)
     warm.write_state(state)
-    with warm.leased([state], tmp_path / "first"):
+    with warm.take_leases([state], tmp_path / "first"):
         with pytest.raises(SystemExit):
             main([str(rl_config(tmp_path, tiny_model, port)), "--dry-run"])
         assert "is in use by the run in" in capsys.readouterr().err
     assert not warm.lease_path("127.0.0.1", port).exists()
+
+
+# --------------------------------------------------------------------------- leases
+
+
+def test_of_runs_attaching_at_the_same_moment_exactly_one_gets_the_lease(tiny_model, tmp_path):
+    state, racers = a_state(tiny_model), 6
+    start, won, refused = threading.Barrier(racers), [], []
+
+    def attach(i: int) -> None:
+        start.wait(timeout=10)
+        try:
+            won.append((i, warm.take_leases([state], tmp_path / f"run{i}")))
+        except ConfigError as e:
+            refused.append(str(e))
+
+    threads = [threading.Thread(target=attach, args=(i,)) for i in range(racers)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert len(won) == 1 and len(refused) == racers - 1, (won, refused)
+    (winner, leases), = won
+    assert all(line.startswith(f"the warm server at {state.url} is in use by the run in ") and "\n" not in line for line in refused)
+    assert warm.read_lease(state)["run_dir"] == str((tmp_path / f"run{winner}").resolve())
+    leases.release()
+    assert warm.read_lease(state) is None
+
+
+def test_a_run_ending_removes_only_its_own_lease(tiny_model, tmp_path):
+    """The first run's lease lapsed (its launcher looked gone) and a second run took the server
+    over: the first run's exit, even twice, leaves the second one's lease in place."""
+    state = a_state(tiny_model)
+    first = warm.take_leases([state], tmp_path / "first")
+    lease = warm.read_lease(state)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout
+    warm.lease_path(state.host, state.port).write_text(json.dumps({**lease, "pid": int(dead)}))
+    second = warm.take_leases([state], tmp_path / "second")
+    first.release()
+    first.release()
+    assert warm.read_lease(state)["run_dir"] == str((tmp_path / "second").resolve())
+    with pytest.raises(ConfigError, match="is in use by the run in .*second"):
+        warm.take_leases([state], tmp_path / "third")
+    second.release()
+    assert warm.read_lease(state) is None
+
+
+@pytest.mark.parametrize("damage", ["{not json", "[1, 2]", "[" * 100_000, '{"pid": "1", "started_unix": 0, "run_dir": "x"}'])
+def test_a_damaged_lease_is_taken_over(tiny_model, tmp_path, damage):
+    state = a_state(tiny_model)
+    path = warm.lease_path(state.host, state.port)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(damage)
+    with warm.take_leases([state], tmp_path / "run"):
+        assert warm.read_lease(state)["run_dir"] == str((tmp_path / "run").resolve())
+    assert not path.exists()
+
+
+def test_a_refused_lease_gives_back_the_ones_already_taken(tiny_model, tmp_path):
+    first, second = a_state(tiny_model, 18000), a_state(tiny_model, 18001, replica=1)
+    with warm.take_leases([second], tmp_path / "other"):
+        with pytest.raises(ConfigError, match="18001 is in use by the run in"):
+            warm.take_leases([first, second], tmp_path / "run")
+        assert warm.read_lease(first) is None and warm.read_lease(second) is not None
+
+
+# --------------------------------------------------------------------------- the key
+
+
+def test_a_drawn_key_is_readable_by_its_user_only_and_attaching_runs_use_it(tmp_path, tiny_model, stand_in, capsys):
+    key, key_file = warm.draw_key(tmp_path)
+    assert len(key) >= 40 and key_file.stat().st_mode & 0o777 == 0o600 and warm.read_key(key_file) == key
+    port = stand_in(key)
+    warm.write_state(a_state(tiny_model, port, api_key_set=True, key_file=str(key_file)))
+    config = rl_config(tmp_path, tiny_model, port)  # no api_key of its own
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(config), "--dry-run"])
+    out, err = capsys.readouterr()
+    assert exit_info.value.code == 0, err
+    assert "attaching to the warm inference server" in out and key not in out + err
+    written = config_path(tmp_path / "run", "orchestrator")
+    assert json.loads(written.read_text())["client"]["api_key"] == key and written.stat().st_mode & 0o777 == 0o600
+
+
+@pytest.mark.parametrize("spoil", ["group-readable", "link", "empty", "missing"])
+def test_a_key_file_anyone_else_could_have_written_or_read_is_refused(tmp_path, spoil):
+    key, key_file = warm.draw_key(tmp_path)
+    if spoil == "group-readable":
+        key_file.chmod(0o640)
+    elif spoil == "link":
+        key_file.rename(tmp_path / "elsewhere")
+        key_file.symlink_to(tmp_path / "elsewhere")
+    elif spoil == "empty":
+        key_file.write_text("\n")
+    else:
+        key_file.unlink()
+    with pytest.raises(ConfigError) as e:
+        warm.read_key(key_file)
+    assert str(e.value).startswith(f"{key_file}: ") and "\n" not in str(e.value) and key not in str(e.value)
+
+
+@pytest.mark.parametrize("extra", ['host = "0.0.0.0"\n', 'host = "::"\n', 'host = "gpu-node-3"\n', 'extra_args = ["--host", "0.0.0.0"]\n'])
+def test_prime_rl_inference_beyond_loopback_needs_a_key(tmp_path, tiny_model, capsys, extra):
+    config = rl_config(tmp_path, tiny_model, free_port_pair(), extra=extra)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["inference", str(config), "--dry-run"])
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and len(err.splitlines()) == 1, err
+    assert err.startswith("prime-rl: inference.host: a warm server on ") and "needs inference.api_key" in err, err
+    with pytest.raises(SystemExit) as exit_info:  # with a key of its own it may (where the address is this machine's)
+        main(["inference", str(config), "--dry-run", "--inference.api-key", "sk-given"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 0 or "cannot resolve the host 'gpu-node-3'" in err, err
 
 
 def test_prime_rl_inference_resolves_the_runs_servers_and_refuses_what_no_run_would_use(tmp_path, tiny_model, stand_in, servers_dir, capsys):
@@ -331,8 +446,12 @@ def test_prime_rl_inference_resolves_the_runs_servers_and_refuses_what_no_run_wo
     assert exit_info.value.code == 0, capsys.readouterr().err
     command = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[prime-rl]   $ ")]
     assert len(command) == 1 and f"--port {port} " in command[0] and "--tool-call-parser hermes" in command[0]
-    written = json.loads(config_path(servers_dir / f"127.0.0.1-{port}", "inference").read_text())
+    written_path = config_path(servers_dir / f"127.0.0.1-{port}", "inference")
+    written = json.loads(written_path.read_text())
     assert (written["port"], written["seq_len"], written["tool_call_parser"]) == (port, 128, "hermes")
+    # no key given: the servers require a drawn one on every route, in a config only its user reads
+    assert len(written["api_key"]) >= 40 and written_path.stat().st_mode & 0o777 == 0o600
+    assert "--middleware inference.auth.RequireApiKey" in command[0] and written["api_key"] not in command[0]
     assert not (tmp_path / "run").exists() and not warm.state_path("127.0.0.1", port).exists()
     with pytest.raises(SystemExit):
         main(["inference", str(rl_config(tmp_path, tiny_model, port, extra="\n[trainer.lora]\nrank = 8\n", name="lora"))])
@@ -396,8 +515,17 @@ def test_two_runs_attach_to_one_warm_server_and_each_samples_its_own_weights(tmp
     server = start_server(first_config, tag)
     state = servers_dir / f"127.0.0.1-{port}.json"
     try:
-        wait_ready(server)
+        out = wait_ready(server)
         assert state.is_file() and warm.read_state(state).pid == server.pid
+        # no key was given: the server drew one, which only this user can read, and every route wants it
+        key_file = Path(warm.read_state(state).key_file)
+        assert "the servers require a drawn one" in out and key_file.stat().st_mode & 0o777 == 0o600
+        url = f"http://127.0.0.1:{port}"
+        for method, path in (("POST", "/pause"), ("POST", "/collective_rpc"), ("GET", "/server_info"), ("POST", "/resume")):
+            request = urllib.request.Request(url + path, method=method, data=b"{}" if method == "POST" else None)
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                urllib.request.urlopen(request, timeout=10)
+            assert refused.value.code == 401, path
         for config, name in ((first_config, "first"), (second_config, "second")):
             seconds, row = attached_run(config, tmp_path / name, tag)
             print(f"[warm start] {name} run: first trained step {seconds:.1f} s after its command "
@@ -410,5 +538,5 @@ def test_two_runs_attach_to_one_warm_server_and_each_samples_its_own_weights(tmp
         os.killpg(server.pid, signal.SIGTERM)
         out, _ = server.communicate(timeout=120)
     assert server.returncode == 130, out
-    assert not state.exists(), "the state file goes with its server"
+    assert not state.exists() and not key_file.exists(), "the state file and the drawn key go with their server"
     assert tagged_processes(tag) == [], "no process of the server or the runs may survive"

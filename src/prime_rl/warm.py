@@ -12,12 +12,21 @@ requires an API key (never the key) and the config files it was started from. Th
 logs and resolved configs live in ``SERVERS_DIR/<host>-<first port>/``, never in a run's
 directory (a run's `--clean` would delete them).
 
+The key. Every warm server requires one: without `inference.api_key`, `prime-rl inference`
+draws one and writes it to ``SERVERS_DIR/<host>-<first port>/api_key`` (0600, the state
+file names it); a run of the same user that attaches reads it there (``run_key``), others
+cannot, so they can neither pause the server nor load other weights into it. Beyond loopback
+a key must be given (``beyond_loopback``): runs on other machines cannot read that file.
+
 Detection. A state file speaks for a live server when its launcher is alive (the same
 process: started no later than the file says) and the port is held; a file whose launcher
 is gone (SIGKILL) is stale and ignored, and the next server on that port overwrites it.
 While a run uses a server it holds a lease, ``SERVERS_DIR/<host>-<port>.lease.json`` (its
-launcher's pid and run directory): a second run would overwrite the first one's weights, so
-it is refused while the lease's launcher lives.
+launcher's pid and run directory, and a random token): a second run would overwrite the first
+one's weights, so it is refused while the lease's launcher lives. Taking a lease and removing
+one each happen under an exclusive lock (``flock`` on ``<host>-<port>.lease.lock``), so of
+two runs attaching at once exactly one gets it, and a run removes the lease only while it
+still holds its own token (``take_leases``).
 
 What attaching checks is pure (``attach_decision``, ``refusals``) and tested with hand-made
 states; the rest reads files, processes and ports. This module knows no vLLM and no httpx:
@@ -27,9 +36,13 @@ it speaks HTTP with urllib (the health route, and the identity proof of ``prime_
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
+import secrets
+import stat
+import sys
 import threading
 import time
 import urllib.error
@@ -42,7 +55,7 @@ from typing import Any
 import psutil
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from prime_rl.config import RLConfig
+from prime_rl.config import InferenceConfig, RLConfig, _is_loopback
 from prime_rl.registry import declares_tools
 from prime_rl.deployment import Replica
 from prime_rl.keys import IDENTITY_PATH, new_nonce, proves_identity
@@ -91,6 +104,9 @@ class ServerState(BaseModel):
     config: list[str]
     """The config files the server was started from, resolved."""
     log: str
+    key_file: str | None = None
+    """Where the key `prime-rl inference` drew lies (no `inference.api_key` given), readable by
+    its user only; None: the key came from the config, and runs bring it in theirs."""
 
 
 @dataclass(frozen=True)
@@ -142,6 +158,10 @@ def server_dir(host: str, port: int, directory: Path | None = None) -> Path:
     return (directory or servers_dir()) / f"{host}-{port}"
 
 
+def lease_lock_path(host: str, port: int, directory: Path | None = None) -> Path:
+    return (directory or servers_dir()) / f"{host}-{port}.lease.lock"
+
+
 def model_folder(model: str) -> Path:
     """A local model folder, or an HF id's snapshot (config and tokenizer files only, fetched
     if not cached: the trainer and vLLM fetch the rest)."""
@@ -178,8 +198,10 @@ def tokenizer_digest(folder: Path) -> str:
 # --------------------------------------------------------------------------- state files
 
 
-def server_states(config: RLConfig, replicas: list[Replica], config_files: list[str], pid: int, log_dir: Path) -> list[ServerState]:
-    """The state of each server `prime-rl inference` is about to start (written once healthy)."""
+def server_states(config: RLConfig, replicas: list[Replica], config_files: list[str], pid: int, log_dir: Path,
+                  key_file: Path | None = None) -> list[ServerState]:
+    """The state of each server `prime-rl inference` is about to start (written once healthy);
+    ``key_file``: where its drawn key lies (``draw_key``)."""
     inference = config.inference
     folder = model_folder(inference.model)
     shape, tokenizer = architecture(folder), tokenizer_digest(folder)
@@ -192,6 +214,7 @@ def server_states(config: RLConfig, replicas: list[Replica], config_files: list[
             max_lora_rank=inference.max_lora_rank, tool_call_parser=inference.tool_call_parser,
             api_key_set=bool(inference.api_key), config=[str(Path(f).resolve()) for f in config_files],
             log=str(log_dir / f"{f'inference-{r.index}' if multi else 'inference'}.log"),
+            key_file=str(key_file) if key_file is not None else None,
         )
         for r in replicas
     ]
@@ -246,6 +269,70 @@ def find_servers(replicas: list[Replica], directory: Path | None = None) -> list
         else:
             found.append(Found(r.port, state))
     return found
+
+
+# --------------------------------------------------------------------------- the key
+
+KEY_FILE = "api_key"
+
+
+def beyond_loopback(inference: InferenceConfig) -> str | None:
+    """The address beyond loopback a warm server would bind without a key (`inference.host`,
+    or a `--host` in `extra_args`, which vLLM reads last); None when it has a key or stays on
+    loopback. A drawn key cannot serve there: runs on other machines cannot read its file."""
+    if inference.api_key:
+        return None
+    args, hosts = list(inference.extra_args), [inference.host]
+    for arg, following in zip(args, [*args[1:], None]):
+        if arg == "--host" and following is not None:
+            hosts.append(following)
+        elif arg.startswith("--host="):
+            hosts.append(arg.partition("=")[2])
+    return next((host for host in hosts if not _is_loopback(host)), None)
+
+
+def draw_key(folder: Path) -> tuple[str, Path]:
+    """A fresh key for a warm server started without one, written to ``folder/api_key``:
+    created readable by its user only (0600 from the start, then renamed into place, so no
+    moment exists when another user could open it)."""
+    key, path = secrets.token_urlsafe(32), Path(folder) / KEY_FILE
+    tmp = path.with_name(f".{KEY_FILE}.{secrets.token_hex(4)}.tmp")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(key + "\n")
+        os.replace(tmp, path)
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot write the warm server's drawn API key ({e.strerror or e})") from None
+    return key, path
+
+
+def read_key(path: Path) -> str:
+    """The key in a warm server's key file; ConfigError naming the file when it is not a plain
+    file of this user that only this user can read (anyone else may have planted it), or empty."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read the API key the warm server drew ({e.strerror or e}); "
+                          "set inference.api_key to the server's key") from None
+    with os.fdopen(fd) as f:
+        info = os.fstat(f.fileno())
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+            raise ConfigError(f"{path}: a warm server's key file must be a plain file of yours that only you can read "
+                              "(mode 0600); restart `prime-rl inference`, or set inference.api_key")
+        key = f.read(4096).strip()
+    if not key:
+        raise ConfigError(f"{path}: the warm server's key file is empty; restart `prime-rl inference`")
+    return key
+
+
+def run_key(config: RLConfig, states: list[ServerState]) -> str | None:
+    """The key the run sends to the warm servers: its own (`inference.api_key`), else the one
+    `prime-rl inference` drew for them (``draw_key``); None when neither exists."""
+    own = config.orchestrator.client.api_key
+    if own or not states or states[0].key_file is None:
+        return own
+    return read_key(Path(states[0].key_file))
 
 
 # --------------------------------------------------------------------------- the decision (pure)
@@ -318,28 +405,29 @@ def refusals(need: RunNeeds, state: ServerState) -> list[str]:
 # --------------------------------------------------------------------------- attaching
 
 
-def run_needs(config: RLConfig) -> RunNeeds:
+def run_needs(config: RLConfig, key: str | None) -> RunNeeds:
+    """What the run needs of a server; ``key``: the one it would send (``run_key``)."""
     folder = model_folder(config.trainer.model.name)
     tool_envs = [env.id for env in config.orchestrator.env if declares_tools(env.id)]
     return RunNeeds(
         model=config.trainer.model.name, architecture=architecture(folder), tokenizer_sha256=tokenizer_digest(folder),
         dtype=config.inference.dtype, seq_len=config.inference.seq_len, lora=config.trainer.lora is not None,
         tool_call_parser=config.orchestrator.tool_call_parser, tool_env=tool_envs[0] if tool_envs else None,
-        api_key_set=bool(config.orchestrator.client.api_key),
+        api_key_set=bool(key),
     )
 
 
 def check_attachable(config: RLConfig, states: list[ServerState], directory: Path | None = None, timeout_s: float = 10.0) -> None:
     """Every refusal of every server, one line each (ConfigError); then no other live run may
-    hold a server, and each must prove it holds the run's API key before the run sends it."""
-    need = run_needs(config)
+    hold a server, and each must prove it holds the run's API key before the run sends it. The
+    lease is checked here to refuse early (a dry run too); ``take_leases`` takes it atomically."""
+    key = run_key(config, states)
+    need = run_needs(config, key)
     lines = [line for state in states for line in refusals(need, state)]
     for state in states:
         lease = read_lease(state, directory)
         if lease is not None and process_alive(lease["pid"], lease["started_unix"]):
-            lines.append(f"the warm server at {state.url} is in use by the run in {lease['run_dir']} (pid {lease['pid']}): "
-                         "two runs would overwrite each other's weights")
-    key = config.orchestrator.client.api_key
+            lines.append(in_use(state, lease))
     if key and not lines:
         lines += [f"the warm server at {s.url}: {why}" for s in states if (why := key_not_proven(s.url, key, timeout_s))]
     if lines:
@@ -365,6 +453,8 @@ def attach(config: RLConfig, states: list[ServerState], run_dir: Path, resume_st
     requests name the served model, prompts use the run's tokenizer, and the run's starting
     weights are loaded first (its model, or `weights/step_N` on a resume). Returns them."""
     orchestrator = config.orchestrator
+    if orchestrator.client.api_key is None:  # the key the server drew, when the run has none of its own
+        orchestrator.client.api_key = run_key(config, states)
     weights = weights_step_dir(run_dir, resume_step) if resume_step is not None else model_folder(config.trainer.model.name)
     orchestrator.initial_weights = Path(weights)
     orchestrator.tokenizer = orchestrator.tokenizer or orchestrator.model
@@ -372,27 +462,121 @@ def attach(config: RLConfig, states: list[ServerState], run_dir: Path, resume_st
     return Path(weights)
 
 
+def in_use(state: ServerState, lease: dict[str, Any]) -> str:
+    return (f"the warm server at {state.url} is in use by the run in {lease['run_dir']} (pid {lease['pid']}): "
+            "two runs would overwrite each other's weights")
+
+
 def read_lease(state: ServerState, directory: Path | None = None) -> dict[str, Any] | None:
+    return _read_lease_file(lease_path(state.host, state.port, directory))
+
+
+def _read_lease_file(path: Path) -> dict[str, Any] | None:
+    """The lease at ``path``; None when there is none or it is damaged (then it counts as stale)."""
     try:
-        lease = json.loads(lease_path(state.host, state.port, directory).read_text())
-        return lease if {"pid", "started_unix", "run_dir"} <= lease.keys() else None
-    except (OSError, ValueError, AttributeError):
+        lease = json.loads(path.read_text())
+    except (OSError, ValueError, RecursionError):
         return None
+    if not isinstance(lease, dict) or not {"pid", "started_unix", "run_dir"} <= lease.keys():
+        return None
+    if type(lease["pid"]) is not int or not isinstance(lease["started_unix"], int | float):
+        return None
+    return lease
+
+
+LEASE_LOCK_WAIT_S = 10.0
+"""Most seconds to wait for another run's turn at a lease: each holds the lock for one small
+read and write, so a longer wait means a stuck process."""
 
 
 @contextlib.contextmanager
-def leased(states: list[ServerState], run_dir: Path, directory: Path | None = None) -> Iterator[None]:
-    """Hold each server's lease while the run uses it (this launcher's pid)."""
-    lease = {"pid": os.getpid(), "started_unix": time.time(), "run_dir": str(Path(run_dir).resolve())}
-    paths = [lease_path(s.host, s.port, directory) for s in states]
-    for path in paths:
-        write_json_atomic(path, lease)
+def _lease_lock(path: Path) -> Iterator[None]:
+    """Hold ``path`` (flock, exclusive) while a lease is read and then written or removed:
+    check-then-act on the lease file is then one step. The kernel drops the lock when its
+    holder dies. Opened read-only: a lock file another user created still locks."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     try:
+        fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot open the warm server's lease lock ({e.strerror or e})") from None
+    try:
+        deadline = time.monotonic() + LEASE_LOCK_WAIT_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise ConfigError(f"{path}: another process held the warm server's lease lock for "
+                                      f"{LEASE_LOCK_WAIT_S:g} s; is a run stuck attaching?") from None
+                time.sleep(0.01)
         yield
     finally:
-        for path in paths:
-            with contextlib.suppress(OSError):
-                path.unlink()
+        os.close(fd)  # releases the lock
+
+
+@dataclass(frozen=True)
+class Lease:
+    """One server's lease as this run took it; ``token`` tells it from any later run's."""
+
+    path: Path
+    lock: Path
+    token: str
+
+    def release(self) -> None:
+        """Remove the lease if it is still this run's (it may have been taken over meanwhile:
+        deleted or damaged by hand, then taken by another run); never fails the run's exit."""
+        try:
+            with _lease_lock(self.lock):
+                holder = _read_lease_file(self.path)
+                if holder is not None and holder.get("token") == self.token:
+                    self.path.unlink()
+        except (OSError, ConfigError) as e:
+            print(f"[prime-rl] warning: the lease {self.path} was left in place ({e}); it lapses once this run's "
+                  "launcher is gone", file=sys.stderr, flush=True)
+
+
+class Leases:
+    """The leases of every server a run attached to; a context manager that releases them."""
+
+    def __init__(self, leases: list[Lease]):
+        self.leases = leases
+
+    def release(self) -> None:
+        for lease in self.leases:
+            lease.release()
+
+    def __enter__(self) -> Leases:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def take_leases(states: list[ServerState], run_dir: Path, directory: Path | None = None) -> Leases:
+    """Take each server's lease for this launcher (its pid, the run directory, a fresh token),
+    or refuse in one line naming the live run that holds one (those taken are given back). A
+    lease whose launcher is gone (or that cannot be read) is stale and taken over."""
+    record = {"pid": os.getpid(), "started_unix": time.time(), "run_dir": str(Path(run_dir).resolve()),
+              "token": secrets.token_hex(16)}
+    taken = Leases([])
+    try:
+        for state in states:
+            lease = Lease(lease_path(state.host, state.port, directory), lease_lock_path(state.host, state.port, directory),
+                          record["token"])
+            with _lease_lock(lease.lock):
+                holder = _read_lease_file(lease.path)
+                if holder is not None and process_alive(holder["pid"], holder["started_unix"]):
+                    raise ConfigError(in_use(state, holder))
+                try:
+                    write_json_atomic(lease.path, record)
+                except OSError as e:
+                    raise ConfigError(f"{lease.path}: cannot write the warm server's lease ({e.strerror or e})") from None
+            taken.leases.append(lease)
+    except BaseException:
+        taken.release()
+        raise
+    return taken
 
 
 # --------------------------------------------------------------------------- serving
@@ -438,3 +622,6 @@ class ServerWatch:
         self._thread.join(timeout=30)
         for state in self.states:
             remove_state(state, self.directory)
+        for key_file in {state.key_file for state in self.states if state.key_file}:
+            with contextlib.suppress(OSError):  # the key goes with its servers
+                Path(key_file).unlink()

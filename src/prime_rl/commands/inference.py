@@ -1,10 +1,13 @@
 """`prime-rl inference CONFIG.toml`: the RL config's vLLM servers alone, kept warm for runs of
-that config to attach to (``prime_rl.warm``)."""
+that config to attach to (``prime_rl.warm``). A warm server always requires a key, on every
+route: without `inference.api_key` it draws one (readable by this user only, for the runs it
+attaches), and beyond loopback it refuses to start without one."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import secrets
 from pathlib import Path
 
 from prime_rl import warm
@@ -44,6 +47,9 @@ def main(argv: list[str]) -> int:
         raise ConfigError("expected a config file: prime-rl inference CONFIG.toml [flags]")
     config = resolve(load_config(RLConfig, files, flags))
     checked_model_path(config.inference.model, "inference.model")
+    if (host := warm.beyond_loopback(config.inference)) is not None:
+        raise ConfigError(f"inference.host: a warm server on {host!r} (beyond loopback) needs inference.api_key: anyone who "
+                          "reaches it could pause it or load other weights into it; set a key (runs bring the same one), or bind 127.0.0.1")
     if config.trainer.lora is not None:
         raise ConfigError("trainer.lora: a LoRA run never attaches to a warm server (its adapter needs its own base "
                           "weights), so no run of this config would use it; run `prime-rl CONFIG` as is")
@@ -58,8 +64,9 @@ def main(argv: list[str]) -> int:
         raise ConfigError("\n".join(problems))
     make_dir(server_dir, f"{warm.SERVERS_DIR_ENV} ({warm.servers_dir()})")
     config.inference.output_dir = server_dir
+    key_file = draw_key(config, server_dir, dry_run="--dry-run" in argv)
     specs = replica_specs(config, server_dir, placement.nodes[0], multi=len(placement.replicas) > 1)
-    states = warm.server_states(config, placement.replicas, files, os.getpid(), logs_dir(server_dir))
+    states = warm.server_states(config, placement.replicas, files, os.getpid(), logs_dir(server_dir), key_file)
     for line in describe(dataclasses.replace(placement, teacher=None), config):  # it serves the replicas alone
         if line.startswith(("inference replica", "  $ ")):  # each replica and its vLLM command line
             print(f"[prime-rl] {line}", flush=True)
@@ -72,6 +79,21 @@ def main(argv: list[str]) -> int:
         return run(server_dir, specs, "--no-tmux" not in argv and tmux_available(), session_name=f"prime-rl-inference-{first.port}")
     finally:
         watch.stop()  # after the servers stopped: no state file outlives its server
+
+
+def draw_key(config: RLConfig, server_dir: Path, dry_run: bool) -> Path | None:
+    """Without `inference.api_key`, a fresh key for the servers (their resolved configs are then
+    0600, deployment.write_config), in ``server_dir/api_key`` for the runs that attach (none in a
+    dry run, which shows the servers as they would start). Returns that file; None: the key was given."""
+    if config.inference.api_key:
+        return None
+    if dry_run:
+        config.inference.api_key = secrets.token_urlsafe(32)
+        return None
+    config.inference.api_key, key_file = warm.draw_key(server_dir)
+    print(f"[prime-rl] no inference.api_key: the servers require a drawn one, in {key_file} (readable by you only); "
+          "runs of this config on this machine attach with it", flush=True)
+    return key_file
 
 
 def print_ready(state: warm.ServerState, path: Path) -> None:

@@ -92,10 +92,16 @@ def main(argv: list[str]) -> int:
         print(f"[prime-rl] resolved configs written to {run_dir / 'configs'}/")
         return 0
 
-    start()
+    # Taken atomically before the run directory changes: a run refused here has changed nothing.
+    leases = warm.take_leases(servers, run_dir)
+    try:
+        start()
+    except BaseException:
+        leases.release()
+        raise
     use_tmux = "--no-tmux" not in launcher_flags and tmux_available()
     workers = tuple(f"env-{env.metric_name}" for env in config.orchestrator.env if env.python is not None)
-    with warm.leased(servers, run_dir):  # a warm server is left running, whatever the run's end
+    with leases:  # given back whatever the run's end, each only if still this run's; a warm server is left running
         return run(run_dir, specs, use_tmux, session_name=f"prime-rl-{run_dir.name}", follow=workers, watchdog=config.watchdog,
                    status=StatusOptions.of(config, quiet="--quiet" in launcher_flags))
 
