@@ -110,3 +110,26 @@ def test_no_run_to_report_is_a_config_error(tmp_path):
         main([str(tmp_path / "missing"), str(tmp_path / "empty")])
     assert "\n" not in str(error.value)
     assert not (tmp_path / "empty" / "report-compare.png").exists()
+
+
+def test_lines_and_values_no_parser_or_axis_can_hold_are_skipped_with_notes(tmp_path):
+    """Lines: nested 100k deep (json's RecursionError), step 10**400 (a float overflow once
+    drawn), a float step, a non-UTF-8 byte, not an object. Values: NaN, inf, ±1e308 (matplotlib's
+    range arithmetic overflows on them), 10**400. The report skips them, says how many, draws the rest."""
+    run = write_run(tmp_path / "run", entropy=True)
+    lines = [b"[" * 100_000 + b"]" * 100_000, b'{"a":' * 100_000 + b"1" + b"}" * 100_000,
+             b'{"process": "orchestrator", "step": 1' + b"0" * 400 + b', "reward/mean": 1.0}',
+             b'{"process": "orchestrator", "step": 1e300, "reward/mean": 1.0}',
+             b'{"process": "orchestrator", "step": 9, "reward/mean": 1.0, "x": "\xff"}', b"[]"]
+    with open(metrics_path(run), "ab") as f:
+        f.write(b"\n".join(lines) + b"\n")
+    odd = [float("nan"), float("inf"), -float("inf"), 1e308, -1e308, 10**400]
+    for step, value in enumerate(odd, start=4):
+        append_jsonl(metrics_path(run), {"process": "orchestrator", "step": step, "wall": value, "reward/mean": value,
+                                         "staleness/mean": value, "time/generate": value})
+        append_jsonl(metrics_path(run), {"process": "trainer", "step": step, "wall": 1e308, "loss/policy": value,
+                                         "loss/mismatch_kl": value, "loss/entropy": value})
+    result = write_report([run])
+    assert chunks(result.output) == (ALL_PANELS, ["run"])
+    assert result.notes == [f"{run}: {len(lines)} malformed line(s) skipped",
+                            f"{run}: {len(odd) * 8} value(s) not drawn (NaN, inf, or beyond ±1e300)"]

@@ -4,6 +4,7 @@ and event rows with stand-in processes."""
 
 import io
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -14,10 +15,13 @@ from pathlib import Path
 import pytest
 
 from helpers import REPO, new_tag, tagged_processes
-from prime_rl.resume import drop_metrics_from
+from prime_rl.resume import ResumeRefused, drop_metrics_from
 from prime_rl.rundir import append_jsonl, metrics_path
+from prime_rl import status as status_module
+from prime_rl.launcher import ProcessSpec
+from prime_rl.launcher import run as launcher_run
 from prime_rl.status import (
-    MetricsFollower, StatusOptions, StatusPrinter, read_metrics, render, sparkline, summarize,
+    Metrics, MetricsFollower, StatusOptions, StatusPrinter, main, read_metrics, render, sparkline, summarize,
 )
 
 RECORDED = REPO / "tests" / "fixtures" / "metrics" / "reverse-text.jsonl"  # a real trio run's first 10 steps (tiny model)
@@ -74,9 +78,13 @@ def test_the_follower_waits_for_a_half_written_line_and_starts_over_after_a_rewi
     assert follower.poll() == [{"process": "orchestrator", "step": 1, "reward/mean": 0.75}]
     assert not follower.metrics.partial and follower.metrics.bad_lines == 1
     assert summarize(follower.metrics).notes == ["1 malformed line(s) skipped"]
-    # --resume-step 1 rewrites the file without the rows of steps >= 1 and the line that is
-    # not a row (a new file)
-    assert drop_metrics_from(path, 1) == 2
+    # --resume-step 1 refuses a complete line that is not a row (damage to show, not to delete)
+    with pytest.raises(ResumeRefused, match=rf"^--resume: {path} line 4 is not a metrics row: not JSON"):
+        drop_metrics_from(path, 1)
+    assert follower.poll() == [] and follower.metrics.bad_lines == 1, "the refusal changed nothing"
+    # without it, the resume rewrites the file without the rows of steps >= 1 (a new file)
+    path.write_text(path.read_text().replace("not json\n", ""))
+    assert drop_metrics_from(path, 1) == 1
     follower.poll()
     assert [r["step"] for r in follower.metrics.rows] == [0, 0] and follower.metrics.bad_lines == 0
 
@@ -186,3 +194,88 @@ def test_the_tmux_session_gains_a_status_pane_that_ends_with_the_run(tmp_path):
     events = [r for r in read_metrics(metrics_path(run_dir)).rows if r["process"] == "launcher"]
     assert [(e["event"], e.get("failed")) for e in events] == [("started", None), ("failed", "trainer")]
     assert render(summarize(read_metrics(metrics_path(run_dir))))[-1] == "FAILED trainer: exited with code 3"
+
+
+# --------------------------------------------------------------------------- odd rows never take a view (or the run) down
+
+ODD_ROWS = {
+    "non-finite": [{"reward/mean": float("nan")}, {"reward/mean": float("inf"), "staleness/mean": float("nan")},
+                   {"reward/mean": -float("inf"), "perf/tokens_per_s": float("inf")}],
+    "huge": [{"reward/mean": 1e308, "perf/tokens_per_s": 10**400, "time/generate": 10**400},
+             {"reward/mean": -1e308, "staleness/mean": 10**400, "staleness/max": 1e308}],
+    "wrong-types": [{"reward/mean": "0.5", "staleness/mean": [1], "perf/tokens_per_s": {"a": 1}, "time/generate": True},
+                    {"reward/mean": None, "staleness/mean": "x", "staleness/max": "y", "wall": "noon"}],
+}
+ODD_LINES = ["[" * 100_000 + "]" * 100_000, '{"process": "trainer", "step": 1' + "0" * 400 + ', "loss/policy": 1}',
+             '{"process": "orchestrator", "step": true, "reward/mean": 1}', '{"process": "trainer", "step": 2.5}', "[1]",
+             '{"process": "launcher", "event": "failed", "failed": ' + "[" * 900 + "]" * 900 + ', "reason": 7}']
+
+
+@pytest.mark.parametrize("kind", ODD_ROWS)
+def test_odd_values_and_lines_are_left_out_of_the_status_never_raised(tmp_path, kind, capsys):
+    rows = rows_of(0, 0.5, 10.0)
+    for step, odd in enumerate(ODD_ROWS[kind], start=1):
+        orch, trainer = rows_of(step, 0.5, 10.0 + step)
+        rows += [orch | odd, trainer | {k: v for k, v in odd.items() if not k.startswith("reward/")}]
+    write(metrics_path(tmp_path), rows, tail="\n".join(ODD_LINES) + "\n")
+    status = summarize(read_metrics(metrics_path(tmp_path)), max_steps=10)
+    lines = render(status)
+    assert lines[0].startswith(f"step {len(ODD_ROWS[kind]) + 1} / 10"), lines
+    assert f"note: {len(ODD_LINES) - 1} malformed line(s) skipped" in lines, lines
+    assert lines[-2] == "FAILED ?: failed" or "FAILED ?: failed" in lines, lines  # neither field was a string
+    assert all(isinstance(v, float) and math.isfinite(v) for v in status.rewards["all"])
+    if kind != "huge":
+        assert any(line.startswith("note: ") and "reward/mean value(s) not a finite number" in line for line in lines), lines
+    StatusPrinter(tmp_path, StatusOptions(max_steps=10, every_steps=1, interval_s=1)).print()
+    assert "[prime-rl] status: step" in capsys.readouterr().out
+    assert main([str(tmp_path)]) == 0 and "malformed line(s) skipped" in capsys.readouterr().out
+
+
+def test_sparkline_and_eta_survive_the_extremes_of_a_float():
+    assert sparkline([1e308, -1e308, 0.0]) == "█▁▅"
+    rows = [{"process": "trainer", "step": s, "wall": w, "loss/policy": 0.1} for s, w in ((0, -1e308), (1, 1e308))]
+    assert summarize(Metrics(rows=rows), max_steps=10).eta_s is None  # the span overflows: no ETA, no error
+
+
+@pytest.mark.parametrize("break_it", ["render", "unreadable"])
+def test_a_view_that_fails_says_so_once_and_the_run_still_records_how_it_ended(tmp_path, monkeypatch, capsys, break_it):
+    """The headless printer inside the launcher: a view failing (a bug meeting odd rows, or the
+    file unreadable) is turned off with one line; the run goes on and writes its `failed` row."""
+    run_dir = tmp_path / "run"
+    if break_it == "render":
+        monkeypatch.setattr(status_module, "render", lambda *a, **k: 1 / 0)
+    else:
+        monkeypatch.setattr(status_module.MetricsFollower, "poll", lambda self: (_ for _ in ()).throw(PermissionError(13, "Permission denied")))
+    trainer = "\n".join([
+        "import pathlib, sys, time",
+        "from prime_rl.rundir import append_jsonl",
+        f"path = pathlib.Path({str(metrics_path(run_dir))!r})",
+        f"for row in {rows_of(0, 0.5, 1.0) + rows_of(1, 0.5, 2.0)!r}:",
+        "    append_jsonl(path, row)",
+        f"time.sleep({1.2 if break_it == 'render' else 0})  # the launcher polls (every 0.5 s): it shows the status first",
+        "sys.exit(3)",
+    ])
+    specs = [ProcessSpec("trainer", [sys.executable, "-c", trainer])]
+    code = launcher_run(run_dir, specs, use_tmux=False, session_name="s", status=StatusOptions(3, 1, 1.0))
+    err = capsys.readouterr().err
+    assert code == 1 and "trainer failed: it exited with code 3" in err, err
+    assert err.count("status summary failed and is off (the run goes on): ") == 1, err
+    monkeypatch.undo()
+    events = [r for r in read_metrics(metrics_path(run_dir)).rows if r["process"] == "launcher"]
+    assert [(e["event"], e.get("failed")) for e in events] == [("started", None), ("failed", "trainer")]
+
+
+@pytest.mark.parametrize("break_it", ["render", "folder"])
+def test_the_status_pane_keeps_redrawing_whatever_goes_wrong(tmp_path, monkeypatch, break_it):
+    if break_it == "render":
+        write(metrics_path(tmp_path), rows_of(0, float("nan"), 1.0))
+        monkeypatch.setattr(status_module, "render", lambda *a, **k: [][0])
+        expected = "status unavailable: list index out of range"
+    else:
+        metrics_path(tmp_path).mkdir(parents=True)  # reading it fails with IsADirectoryError
+        expected = f"cannot read {metrics_path(tmp_path)}: Is a directory"
+    alive = iter([True, True, False])
+    monkeypatch.setattr(status_module.psutil, "pid_exists", lambda pid: next(alive))
+    out = io.StringIO()
+    assert status_module.follow(tmp_path, 10, interval_s=0.01, pid=1, out=out) == 0
+    assert out.getvalue().count(expected) == 2, out.getvalue()

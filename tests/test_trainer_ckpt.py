@@ -1,6 +1,7 @@
 """Trainer checkpoints: exact resume, the marker rule, pruning, and writes that fail."""
 
 import contextlib
+import json
 import os
 import resource
 import shutil
@@ -9,6 +10,7 @@ import subprocess
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from trainer_helpers import LORA, fresh, train_step
 from prime_rl.rundir import MARKER, WriteFailed, checkpoint_step_dir, checkpoints_dir, complete_steps, weights_dir
@@ -187,3 +189,64 @@ def test_trainer_process_stops_on_a_full_disk_naming_the_checkpoint(tiny_model, 
         assert last_line.startswith(f"[trainer] failed: WriteFailed: cannot write checkpoint {checkpoint_step_dir(run, 2)}: {reason}"), out
         assert_previous_checkpoint_intact(tiny_model, run, failed_step=2)
         assert complete_steps(weights_dir(run)) == [1, 2]
+
+
+# --------------------------------------------------------------------------- damaged checkpoint files
+
+RNG_DAMAGE = {
+    "garbage": lambda path: path.write_bytes(b"\x00not a safetensors file"),
+    "truncated": lambda path: path.write_bytes(path.read_bytes()[:40]),
+    "empty": lambda path: path.write_bytes(b""),
+    "wrong-tensors": lambda path: save_file({"cpu": torch.zeros(3)}, str(path)),
+    "short-state": lambda path: save_file({"cpu": torch.zeros(5, dtype=torch.uint8)}, str(path)),
+}
+META_DAMAGE = {
+    "a-list": ([1, 2], "holds a JSON list, expected an object"),
+    "step-string": ({"step": "1"}, "step is '1', expected a whole number"),
+    "other-step": ({"step": 7}, "says step 7, expected 1"),
+    "lora-string": ({"lora": "yes"}, "lora is 'yes', expected true or false"),
+    "scheduler-list": ({"scheduler": []}, "scheduler is [], expected the LR schedule's state"),
+    "lrs-strings": ({"scheduler": {"last_epoch": 1, "base_lrs": ["x"]}}, "scheduler.base_lrs is ['x'], expected a list"),
+    "not-json": (b"{\xff", "cannot read"),
+    "deep": (b"[" * 100_000 + b"]" * 100_000, "cannot read"),
+}
+
+
+@pytest.fixture(scope="module")
+def saved_checkpoint(tiny_model, tmp_path_factory):
+    run = tmp_path_factory.mktemp("saved")
+    save_checkpoint(*fresh(tiny_model), run, step=1, keep_last=1)
+    return run
+
+
+def damaged_copy(saved, tmp_path):
+    shutil.copytree(saved, tmp_path / "run")
+    return tmp_path / "run", checkpoint_step_dir(tmp_path / "run", 1)
+
+
+@pytest.mark.parametrize("damage", RNG_DAMAGE)
+def test_a_damaged_rng_file_is_one_line_naming_it(tiny_model, saved_checkpoint, tmp_path, damage):
+    run, folder = damaged_copy(saved_checkpoint, tmp_path)
+    RNG_DAMAGE[damage](folder / "rng_rank_0.safetensors")
+    with pytest.raises(CheckpointError) as error:
+        load_checkpoint(*fresh(tiny_model), run, step=1)
+    message = str(error.value)
+    assert message.startswith(f"cannot load checkpoint {folder}: rng_rank_0.safetensors is not an RNG state file: "), message
+    assert "\n" not in message
+
+
+@pytest.mark.parametrize("damage", META_DAMAGE)
+def test_a_damaged_trainer_json_is_one_line_naming_it(tiny_model, saved_checkpoint, tmp_path, damage):
+    run, folder = damaged_copy(saved_checkpoint, tmp_path)
+    change, expected = META_DAMAGE[damage]
+    meta = folder / "trainer.json"
+    if isinstance(change, bytes):
+        meta.write_bytes(change)
+    elif isinstance(change, dict):
+        meta.write_text(json.dumps(json.loads(meta.read_text()) | change))
+    else:
+        meta.write_text(json.dumps(change))
+    with pytest.raises(CheckpointError) as error:
+        load_checkpoint(*fresh(tiny_model), run, step=1)
+    message = str(error.value)
+    assert str(meta) in message and expected in message and "\n" not in message and len(message) < 300, message

@@ -2,7 +2,8 @@
 what a finished, crashed or running run did, judged without a dashboard or a notebook.
 
 The rows are read with ``prime_rl.status.read_metrics``, so a half-written last line or a
-malformed one is a note, never a traceback. A panel is drawn when at least one run has its
+malformed one (not JSON, nested too deeply, a step that is not a whole number) is a note,
+never a traceback, and so is a value no axis can hold (NaN, inf, 10**400). A panel is drawn when at least one run has its
 data; a run without a metric simply has no line there. The PNG's text chunks `panels` and
 `labels` (JSON lists) name what was drawn, so a script can check a report without reading
 pixels. matplotlib is imported only to draw: importing this module stays cheap.
@@ -58,8 +59,17 @@ class ReportResult:
 # --------------------------------------------------------------------------- reading
 
 
+DRAWABLE = 1e300
+"""The largest magnitude drawn: no metric comes near it, and beyond it matplotlib's own axis
+arithmetic (a range's width, its margins) overflows and fails the whole PNG."""
+
+
 def number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    """A value a panel can draw: a number (not a bool) within ``DRAWABLE``; NaN, inf and an
+    integer beyond any float (``10**400``, compared exactly, never converted) are left out."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    return -DRAWABLE <= value <= DRAWABLE  # False for NaN
 
 
 def read_rows(run_dir: Path, note: Callable[[str], None]) -> list[dict] | None:
@@ -80,6 +90,9 @@ def read_rows(run_dir: Path, note: Callable[[str], None]) -> list[dict] | None:
         note(f"{metrics.bad_lines} malformed line(s) skipped")
     if metrics.partial:
         note("last line incomplete (ignored)")
+    numbers = [v for row in metrics.rows for v in row.values() if isinstance(v, int | float) and not isinstance(v, bool)]
+    if undrawable := sum(not number(v) for v in numbers):
+        note(f"{undrawable} value(s) not drawn (NaN, inf, or beyond ±1e300)")
     return metrics.rows
 
 

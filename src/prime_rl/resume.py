@@ -7,23 +7,28 @@
   - the orchestrator's progress record of step N-1 or N under `rollouts/`.
 Everything the run did after step N is then undone, so every later step is trained
 exactly once and logged once: newer weights and checkpoints (and half-written `.tmp`
-folders) are deleted and metrics rows of steps >= N are dropped. The orchestrator
-decides itself which of its recorded batches it re-sends (`orchestrator.progress`).
+folders) are deleted and metrics rows of steps >= N are dropped. The orchestrator decides
+itself which of its recorded batches it re-sends (`orchestrator.progress`).
+
+Nothing is deleted before everything is checked: a damaged metrics line refuses the resume,
+naming it. Nothing is deleted through a link: a `step_N` that is one goes as a link, whatever
+it points at (maybe outside the run directory) untouched.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 from pathlib import Path
 
 from prime_rl.rundir import (
     MARKER,
+    BadRow,
     checkpoint_step_dir,
     checkpoints_dir,
     complete_steps,
     metrics_path,
+    parse_row,
+    remove_entry,
     remove_step_dir,
     rollouts_dir,
     step_dirs,
@@ -71,10 +76,15 @@ def check_resumable(run_dir: Path, step: int, max_steps: int) -> None:
             f"resume from step {step}: no orchestrator progress (step_{step - 1} or step_{step} with its {MARKER} "
             f"marker) in {rollouts_dir(run_dir)}"
         )
+    metrics_to_keep(metrics_path(run_dir), step)  # refuses a damaged metrics file now, before the rewind
 
 
 def rewind(run_dir: Path, step: int) -> list[str]:
-    """Undo what the run did after ``step``; returns a line per thing removed."""
+    """Undo what the run did after ``step``; returns a line per thing removed. The metrics file
+    is checked first, so a resume it refuses (``ResumeRefused``) has deleted nothing. A
+    ``step_N`` or ``step_N.tmp`` that is a link goes as a link: nothing is deleted through it."""
+    metrics = metrics_path(run_dir)
+    kept, dropped = metrics_to_keep(metrics, step)
     removed = []
     for parent in (weights_dir(run_dir), checkpoints_dir(run_dir)):
         complete = set(complete_steps(parent))
@@ -82,33 +92,70 @@ def rewind(run_dir: Path, step: int) -> list[str]:
             if later > step or later not in complete:
                 remove_step_dir(parent, later)
                 removed.append(f"{parent.name}/step_{later}{'' if later in complete else ' (incomplete)'}")
-            elif (leftover := tmp_step_dir(parent, later)).exists():  # a half-written twin of a kept step
-                shutil.rmtree(leftover, ignore_errors=True)
+            elif os.path.lexists(leftover := tmp_step_dir(parent, later)):  # a half-written twin of a kept step
+                remove_entry(leftover)
                 removed.append(f"{parent.name}/{leftover.name}")
-    dropped = drop_metrics_from(metrics_path(run_dir), step)
     if dropped:
+        rewrite_lines(metrics, kept)
         removed.append(f"{dropped} metrics rows of steps >= {step}")
     return removed
 
 
 def drop_metrics_from(path: Path, step: int) -> int:
-    """Rewrite metrics.jsonl without rows of steps >= ``step`` (temp file + rename); returns how
-    many. A line that is not a row (cut mid-write by the crash being resumed from) goes too."""
-    if not path.exists():
-        return 0
-    lines = [line for line in path.read_text().splitlines() if line.strip()]
-    kept = [line for line in lines if (row := json_row(line)) is not None and row.get("step", -1) < step]
-    if len(kept) == len(lines):
-        return 0
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(line + "\n" for line in kept))
-    os.replace(tmp, path)
-    return len(lines) - len(kept)
+    """Rewrite metrics.jsonl without rows of steps >= ``step``; returns how many lines went
+    (``metrics_to_keep`` says which, and refuses a file that is not rows)."""
+    kept, dropped = metrics_to_keep(path, step)
+    if dropped:
+        rewrite_lines(path, kept)
+    return dropped
 
 
-def json_row(line: str) -> dict | None:
+def metrics_to_keep(path: Path, step: int) -> tuple[list[bytes], int]:
+    """The lines of metrics.jsonl a rewind to ``step`` keeps (rows of earlier steps, and rows
+    without a step: the launcher's), and how many it drops. A last line without its newline was
+    never finished (a row is written with its newline in one write), by the crash being resumed
+    from: unless it is a row after all, it is dropped (and counted).
+    Any other line that is not a row (``parse_row``: not JSON, not UTF-8, nested too deeply, a
+    step that is not a whole number) refuses the resume in one line naming it: it is damage the
+    user should see, and deleting it would hide it."""
     try:
-        row = json.loads(line)
-    except ValueError:
-        return None
-    return row if isinstance(row, dict) else None
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return [], 0
+    except OSError as e:
+        raise ResumeRefused(f"--resume: cannot read {path}: {e.strerror or e}") from None
+    *lines, last = data.split(b"\n")  # ``last`` is b"" when the file ends with its newline
+    kept, dropped = [], 0
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            row = parse_row(line)
+        except BadRow as e:
+            raise ResumeRefused(
+                f"--resume: {path} line {number} is not a metrics row: {e}; fix or delete that line, then resume again"
+            ) from None
+        if row.get("step", -1) < step:
+            kept.append(line)
+        else:
+            dropped += 1
+    if last.strip():
+        try:
+            keep = parse_row(last).get("step", -1) < step
+        except BadRow:  # cut mid-write
+            keep = False
+        kept += [last] if keep else []
+        dropped += 0 if keep else 1
+    return kept, dropped
+
+
+def rewrite_lines(path: Path, lines: list[bytes]) -> None:
+    """Replace ``path`` with ``lines`` through a fresh temporary file and a rename: a crash
+    leaves the old file or the new one, and a planted ``.tmp`` link is replaced, not written
+    through. A ``path`` that is a link is replaced by the file, its target left as it was."""
+    tmp = path.with_name(path.name + ".tmp")
+    remove_entry(tmp)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    with os.fdopen(fd, "wb") as f:
+        f.write(b"".join(line + b"\n" for line in lines))
+    os.replace(tmp, path)

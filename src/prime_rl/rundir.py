@@ -103,7 +103,7 @@ def latest_weights_step(run: Path) -> int | None:
 def begin_step_dir(parent: Path, step: int) -> Path:
     """A fresh temporary directory to fill before ``finish_step_dir``."""
     tmp = tmp_step_dir(parent, step)
-    shutil.rmtree(tmp, ignore_errors=True)
+    remove_entry(tmp)
     tmp.mkdir(parents=True)
     return tmp
 
@@ -111,7 +111,7 @@ def begin_step_dir(parent: Path, step: int) -> Path:
 def finish_step_dir(tmp: Path, step: int) -> Path:
     """Rename ``step_N.tmp`` to ``step_N`` and write the marker last."""
     final = step_dir(tmp.parent, step)
-    shutil.rmtree(final, ignore_errors=True)
+    remove_entry(final)
     os.replace(tmp, final)
     marker = final / MARKER
     with open(marker, "w") as f:
@@ -145,14 +145,31 @@ def prune_step_dirs(parent: Path, keep_last: int, protect: set[int] = frozenset(
 
 
 def remove_step_dir(parent: Path, step: int) -> None:
-    """Delete ``step_N`` (marker first, so no reader sees a half-deleted complete step) and ``step_N.tmp``."""
+    """Delete ``step_N`` (marker first, so no reader sees a half-deleted complete step) and
+    ``step_N.tmp``. Either one being a link is removed as a link: what it points at, maybe
+    outside the run directory, is never touched."""
     victim = step_dir(parent, step)
+    if not victim.is_symlink():
+        try:
+            (victim / MARKER).unlink(missing_ok=True)
+        except OSError:  # not a directory, or not ours to delete: nothing half-deleted to hide
+            pass
+    remove_entry(victim)
+    remove_entry(tmp_step_dir(parent, step))
+
+
+def remove_entry(path: Path) -> None:
+    """Delete ``path`` whatever it is, never through a link: a link (even to a folder) or a file
+    is unlinked, a folder removed with everything in it (``shutil.rmtree`` unlinks the links
+    inside, it does not follow them). Failures are ignored: a leftover only costs space."""
+    path = Path(path)
     try:
-        (victim / MARKER).unlink(missing_ok=True)
-    except OSError:  # not a directory, or not ours to delete: nothing half-deleted to hide
+        if path.is_symlink() or (path.exists() and not path.is_dir()):
+            path.unlink()
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+    except OSError:
         pass
-    shutil.rmtree(victim, ignore_errors=True)
-    shutil.rmtree(tmp_step_dir(parent, step), ignore_errors=True)
 
 
 def step_dirs(parent: Path) -> list[int]:
@@ -179,6 +196,47 @@ def read_jsonl(path: Path) -> list[dict]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+# --------------------------------------------------------------------------- reading metrics rows
+
+MAX_STEP = 2**63
+"""Steps are counted from 0 and stay far below this; a larger one is damage (and a step near
+10**400 overflows the float a view turns it into)."""
+
+
+class BadRow(ValueError):
+    """A metrics.jsonl line that is not a row; the message says what it is instead."""
+
+
+def is_step(value) -> bool:
+    """A step as the processes write it: a whole number (not a bool, not 3.0) in 0..MAX_STEP."""
+    return type(value) is int and 0 <= value < MAX_STEP
+
+
+def parse_row(line: bytes | str) -> dict:
+    """One metrics.jsonl line as a row: a JSON object whose ``step``, when it has one, passes
+    ``is_step``. Anything else raises ``BadRow``, never another error: every reader of the rows
+    (resume, report, the status views) goes through here, and a view must not die on a line."""
+    try:
+        row = json.loads(line)
+    except RecursionError:  # json's parser recurses once per nesting level
+        raise BadRow("nested too deeply to be a row") from None
+    except UnicodeDecodeError:
+        raise BadRow("not UTF-8 text") from None
+    except json.JSONDecodeError as e:
+        raise BadRow(f"not JSON ({e.msg}, character {e.pos})") from None
+    except ValueError:  # an integer literal of more than 4300 digits
+        raise BadRow("holds a number too long to read") from None
+    if not isinstance(row, dict):
+        raise BadRow(f"a JSON {_JSON_KINDS.get(type(row), 'value')}, not an object")
+    if "step" in row and not is_step(step := row["step"]):
+        shown = "above 10**20" if isinstance(step, int) and abs(step) > 10**20 else repr(step)[:40]
+        raise BadRow(f"step {shown} is not a whole number from 0 to 2**63")
+    return row
+
+
+_JSON_KINDS = {list: "array", str: "string", int: "number", float: "number", bool: "true/false", type(None): "null"}
 
 
 class WriteFailed(OSError):

@@ -222,11 +222,14 @@ def process_config(cls: type[M], argv: list[str]) -> M:
     return load_config(cls, files, rest)
 
 
-def run_process(name: str, cls: type[M], body: Callable[[M], None], argv: list[str] | None = None) -> int:
+def run_process(
+    name: str, cls: type[M], body: Callable[[M], None], argv: list[str] | None = None,
+    expected: tuple[type[BaseException], ...] = (),
+) -> int:
     """Entry point of a process: parse its config, run ``body``, map the outcome to an exit
-    code (``run_entry``)."""
+    code (``run_entry``; ``expected`` failures end in one line, no traceback)."""
     argv = sys.argv[1:] if argv is None else argv
-    return run_entry(name, lambda: body(process_config(cls, argv)))
+    return run_entry(name, lambda: body(process_config(cls, argv)), expected)
 
 
 def run_entry(

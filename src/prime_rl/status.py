@@ -1,7 +1,8 @@
 """What a run is doing, from `RUN/metrics.jsonl` alone (no socket into the processes):
 
 - ``read_metrics`` / ``MetricsFollower``: the rows, read whole or as they are appended, where
-  a half-written last line waits for its end and a malformed line is counted, never raised;
+  a half-written last line waits for its end and a malformed line (``prime_rl.rundir.parse_row``:
+  not JSON, nested too deeply, a step that is not a whole number) is counted, never raised;
 - ``summarize`` + ``render``: the status the tmux session's `status` pane redraws
   (`python -m prime_rl.status RUN --follow`) and a headless run prints every
   `status.every_steps` steps: step / max_steps and ETA, the reward (per environment when
@@ -10,15 +11,19 @@
 - ``record_event``: the launcher's own rows (`"process": "launcher"`: the run started,
   finished, or a process failed), so the file tells how the run ended.
 
+A view never takes the run down: values that are not finite numbers (NaN, inf, a string where
+a number belongs) are left out of what is drawn, and a view that fails anyway says so in one
+line and stops (the headless printer) or keeps redrawing (the pane).
+
 Imports neither torch nor vLLM, nor anything that draws: it runs beside the trio.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
+import shlex
 import sys
 import time
 from dataclasses import dataclass, field
@@ -27,7 +32,7 @@ from typing import TYPE_CHECKING
 
 import psutil
 
-from prime_rl.rundir import append_jsonl, metrics_path
+from prime_rl.rundir import BadRow, append_jsonl, is_step, metrics_path, parse_row
 
 if TYPE_CHECKING:
     from prime_rl.config import RLConfig
@@ -84,16 +89,18 @@ class MetricsFollower:
             if not line.strip():
                 continue
             try:
-                row = json.loads(line)
-            except ValueError:
-                row = None
-            if isinstance(row, dict):
-                new.append(row)
-            else:
+                new.append(parse_row(line))
+            except BadRow:
                 self.metrics.bad_lines += 1
         self.metrics.rows.extend(new)
         self.metrics.partial = bool(self._pending.strip())
         return new
+
+
+def one_line(error: BaseException) -> str:
+    """An error's message on one line (``prime_rl.settings.one_line``, whose pydantic import
+    this module, run as the tmux pane, avoids)."""
+    return " ".join(str(error).split()) or type(error).__name__
 
 
 def record_event(run_dir: Path, event: str, started_unix: float, **fields) -> None:
@@ -145,46 +152,68 @@ def summarize(metrics: Metrics, max_steps: int | None = None, window: int = MEAN
     orch, trainer = step_rows(rows, "orchestrator", "reward/mean"), step_rows(rows, "trainer", "loss/policy")
     if orch:
         status.step = orch[-1]["step"]
-        status.rewards["all"] = [r["reward/mean"] for r in orch]
         envs = environments(orch)
-        if len(envs) > 1:
-            for env in envs:
-                status.rewards[env] = [r[f"reward/{env}/mean"] for r in orch if f"reward/{env}/mean" in r]
+        for name, key in [("all", "reward/mean")] + [(env, f"reward/{env}/mean") for env in envs if len(envs) > 1]:
+            values = [r[key] for r in orch if key in r]
+            if drawn := [float(v) for v in values if finite(v)]:
+                status.rewards[name] = drawn
+            if skipped := len(values) - len(drawn):
+                status.notes.append(f"{skipped} {key} value(s) not a finite number (not drawn)")
         newest = orch[-1]
-        if "staleness/mean" in newest:
-            status.staleness = (newest["staleness/mean"], newest.get("staleness/max", newest["staleness/mean"]))
-        status.sampled_tokens_s = newest.get("perf/tokens_per_s")
-        recent = orch[-window:]
-        status.phases["orchestrator"] = phase_means(recent, ORCHESTRATOR_PHASES)
+        if (mean := real(newest.get("staleness/mean"))) is not None:
+            most = real(newest.get("staleness/max"))
+            status.staleness = (mean, mean if most is None else most)
+        status.sampled_tokens_s = real(newest.get("perf/tokens_per_s"))
+        status.phases["orchestrator"] = phase_means(orch[-window:], ORCHESTRATOR_PHASES)
     if trainer:
         newest = trainer[-1]
         status.trained = newest["step"]
-        status.mismatch_kl = newest.get("loss/mismatch_kl")
-        status.masked_frac = newest.get("loss/masked_frac")
-        status.trained_tokens_s = newest.get("perf/tokens_per_s")
-        recent = trainer[-window:]
-        status.phases["trainer"] = phase_means(recent, TRAINER_PHASES)
+        status.mismatch_kl = real(newest.get("loss/mismatch_kl"))
+        status.masked_frac = real(newest.get("loss/masked_frac"))
+        status.trained_tokens_s = real(newest.get("perf/tokens_per_s"))
+        status.phases["trainer"] = phase_means(trainer[-window:], TRAINER_PHASES)
     evals = [r for r in rows if r.get("process") == "orchestrator" and "eval/reward/mean" in r]
     if evals:
-        status.eval_reward = evals[-1]["eval/reward/mean"]
+        status.eval_reward = real(evals[-1]["eval/reward/mean"])
     status.eta_s = eta(orch, trainer, max_steps)
-    for row in rows:
-        if row.get("process") != "launcher":
-            continue
-        if row.get("event") == "failed":
-            status.failed.append(f"{row.get('failed', '?')}: {row.get('reason', 'failed')}")
-        if row.get("event") in ("finished", "failed", "stalled", "interrupted"):
-            status.ended = row["event"]
+    launcher_events(rows, status)
     if metrics.bad_lines:
         status.notes.append(f"{metrics.bad_lines} malformed line(s) skipped")
     return status
 
 
+def launcher_events(rows: list[dict], status: Status) -> None:
+    """The failures and the ending the launcher recorded (only its own string fields are shown)."""
+    for row in rows:
+        if row.get("process") != "launcher":
+            continue
+        if row.get("event") == "failed":
+            failed, reason = (v if isinstance(v, str) else None for v in (row.get("failed"), row.get("reason")))
+            status.failed.append(f"{failed or '?'}: {reason or 'failed'}")
+        if row.get("event") in ("finished", "failed", "stalled", "interrupted"):
+            status.ended = row["event"]
+
+
+def real(value) -> float | None:
+    """``value`` as a float when it is a number (NaN and inf included: shown as such), else None."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    try:
+        return float(value)
+    except OverflowError:  # an integer beyond any float, e.g. 10**400
+        return None
+
+
+def finite(value) -> bool:
+    """A number that can be drawn, averaged, and subtracted from: not NaN, not inf."""
+    return (number := real(value)) is not None and math.isfinite(number)
+
+
 def phase_means(rows: list[dict], phases: tuple[tuple[str, str], ...]) -> dict[str, float]:
-    """Seconds per step of each phase some row logged, averaged over ``rows``."""
+    """Seconds per step of each phase some row logged, averaged over ``rows`` (finite values only)."""
     means = {}
     for name, key in phases:
-        if values := [r[key] for r in rows if key in r]:
+        if values := [float(r[key]) for r in rows if finite(r.get(key))]:
             means[name] = sum(values) / len(values)
     return means
 
@@ -200,8 +229,8 @@ def environments(rows: list[dict]) -> list[str]:
 
 
 def by_step(rows) -> list[dict]:
-    """Rows with an integer step, in step order (the newest row of a step wins)."""
-    latest = {r["step"]: r for r in rows if isinstance(r.get("step"), int)}
+    """Rows with a step (``is_step``), in step order (the newest row of a step wins)."""
+    latest = {r["step"]: r for r in rows if is_step(r.get("step"))}
     return [latest[step] for step in sorted(latest)]
 
 
@@ -211,10 +240,12 @@ def eta(orch: list[dict], trainer: list[dict], max_steps: int | None) -> float |
     if max_steps is None or len(rows) < 2:
         return None
     recent = rows[-(MEAN_WINDOW + 1):]
-    span = recent[-1]["wall"] - recent[0]["wall"] if all("wall" in r for r in (recent[0], recent[-1])) else 0
+    first, last = recent[0].get("wall"), recent[-1].get("wall")
+    span = float(last) - float(first) if finite(first) and finite(last) else 0.0
     per_step = span / (recent[-1]["step"] - recent[0]["step"]) if recent[-1]["step"] > recent[0]["step"] else 0
     left = max_steps - 1 - rows[-1]["step"]
-    return left * per_step if per_step > 0 and left > 0 else None
+    seconds = left * per_step if per_step > 0 and left > 0 else None
+    return seconds if seconds is not None and math.isfinite(seconds) else None
 
 
 # --------------------------------------------------------------------------- drawing in text
@@ -228,7 +259,13 @@ def sparkline(values: list[float], width: int = 40) -> str:
     lo, hi = min(values), max(values)
     if hi - lo < 1e-12:
         return SPARK[len(SPARK) // 2] * len(values)
-    return "".join(SPARK[min(len(SPARK) - 1, int((v - lo) / (hi - lo) * len(SPARK)))] for v in values)
+    # halved: the difference of two finite floats (1e308 and -1e308) may itself overflow to inf
+    return "".join(SPARK[min(len(SPARK) - 1, int((v / 2 - lo / 2) / (hi / 2 - lo / 2) * len(SPARK)))] for v in values)
+
+
+def short(value: float) -> str:
+    """A reward as text: three decimals, or three digits for one too large to print that way."""
+    return f"{value:.3f}" if abs(value) < 1e6 else f"{value:.3g}"
 
 
 def duration(seconds: float) -> str:
@@ -261,8 +298,8 @@ def render(status: Status, width: int = 30) -> list[str]:
         for name, values in status.rewards.items():
             window = values[-MEAN_WINDOW:]
             label = "reward" if name == "all" else f"  {name}"
-            lines.append(f"{label:<12} {sparkline(values, width)}  {values[-1]:.3f} (mean of last {len(window)}: "
-                         f"{sum(window) / len(window):.3f})")
+            lines.append(f"{label:<12} {sparkline(values, width)}  {short(values[-1])} (mean of last {len(window)}: "
+                         f"{short(sum(window) / len(window))})")
         if status.eval_reward is not None:
             lines.append(f"{'eval reward':<12} {status.eval_reward:.3f}")
         lines.append(joined((status.mismatch_kl, "mismatch KL {:.2e}"), (status.staleness, "staleness {0[0]:.2f} (max {0[1]:g})"),
@@ -300,40 +337,63 @@ class StatusOptions:
 
     def pane_command(self, run_dir: Path, launcher_pid: int) -> str:
         """The tmux `status` pane: redraws until the launcher is gone."""
-        steps = f" --max-steps {self.max_steps}" if self.max_steps is not None else ""
-        return (f"{sys.executable} -m prime_rl.status {str(run_dir)!r} --follow --pid {launcher_pid} "
-                f"--interval {self.interval_s:g}{steps}")
+        steps = ["--max-steps", str(self.max_steps)] if self.max_steps is not None else []
+        # tmux runs this through a shell: shlex quotes every word (repr would let a run
+        # directory named `'$(cmd)'` close the quote and run cmd).
+        return shlex.join([sys.executable, "-m", "prime_rl.status", "--follow", "--pid", str(launcher_pid),
+                           "--interval", f"{self.interval_s:g}", *steps, "--", str(run_dir)])  # `--`: a dir named `-x`
 
 
 class StatusPrinter:
     """A headless run's summary on the launcher's stdout, each time the trainer has logged
-    another ``every_steps`` steps, and once at the end."""
+    another ``every_steps`` steps, and once at the end. It runs inside the launcher, so it never
+    raises: a failure (an unreadable file, a bug meeting odd rows) is said once on stderr and
+    turns the summary off; the run goes on, and still records how it ends."""
 
     def __init__(self, run_dir: Path, options: StatusOptions, out=None):
         self.follower = MetricsFollower(metrics_path(run_dir))
         self.options, self.out = options, out
+        self.next_at: int | None = None
+        if options.every_steps:
+            self._safely(self._start)
+
+    def _start(self) -> None:
         self.follower.poll()  # a resumed run's earlier steps are not news
-        self.next_at = (self.done() // options.every_steps + 1) * options.every_steps if options.every_steps else None
+        self.next_at = self._after(self.done())
+
+    def _after(self, done: int) -> int:
+        return (done // self.options.every_steps + 1) * self.options.every_steps
 
     def done(self) -> int:
         trained = summarize(self.follower.metrics).trained
         return 0 if trained is None else trained + 1
 
     def poll(self) -> None:
-        if self.next_at is None or not self.follower.poll():
-            return
-        if (done := self.done()) >= self.next_at:
-            self.print()
-            self.next_at = (done // self.options.every_steps + 1) * self.options.every_steps
+        if self.next_at is not None:
+            self._safely(self._poll)
+
+    def _poll(self) -> None:
+        if self.follower.poll() and (done := self.done()) >= self.next_at:
+            self._print()
+            self.next_at = self._after(done)
 
     def print(self) -> None:
-        if self.next_at is None:
-            return
+        if self.next_at is not None:
+            self._safely(self._print)
+
+    def _print(self) -> None:
         self.follower.poll()
         lines = render(summarize(self.follower.metrics, self.options.max_steps))
         out = self.out or sys.stdout
         out.write("".join(f"[prime-rl] {'status: ' if i == 0 else '  '}{line}\n" for i, line in enumerate(lines)))
         out.flush()
+
+    def _safely(self, action) -> None:
+        try:
+            action()
+        except Exception as e:  # noqa: BLE001 - a view must never stop the run it shows
+            self.next_at = None
+            print(f"[prime-rl] status summary failed and is off (the run goes on): {one_line(e)}", file=sys.stderr, flush=True)
 
 
 # --------------------------------------------------------------------------- the pane
@@ -345,8 +405,15 @@ def follow(run_dir: Path, max_steps: int | None, interval_s: float, pid: int | N
     follower = MetricsFollower(metrics_path(run_dir))
     drawn_at = -math.inf
     while pid is None or psutil.pid_exists(pid):
-        if follower.poll() or time.monotonic() - drawn_at >= interval_s:
-            lines = render(summarize(follower.metrics, max_steps))
+        try:
+            new, problem = follower.poll(), None
+        except OSError as e:  # the file replaced by a folder, its permissions changed: say so, look again
+            new, problem = [], f"cannot read {follower.path}: {e.strerror or e}"
+        if new or problem or time.monotonic() - drawn_at >= interval_s:
+            try:
+                lines = [problem] if problem else render(summarize(follower.metrics, max_steps))
+            except Exception as e:  # noqa: BLE001 - the pane outlives whatever the rows hold
+                lines = [f"status unavailable: {one_line(e)}"]
             out.write("\x1b[H\x1b[2J" + f"prime-rl status · {run_dir} · {time.strftime('%H:%M:%S')}\n" + "\n".join(lines) + "\n")
             out.flush()
             drawn_at = time.monotonic()
@@ -371,7 +438,12 @@ def main(argv: list[str] | None = None) -> int:
     if not path.is_file():
         print(f"{path}: no metrics yet (is it a run's output_dir?)", file=sys.stderr)
         return 2
-    print("\n".join(render(summarize(read_metrics(path), args.max_steps))))
+    try:
+        metrics = read_metrics(path)
+    except OSError as e:
+        print(f"{path}: cannot read it: {e.strerror or e}", file=sys.stderr)
+        return 2
+    print("\n".join(render(summarize(metrics, args.max_steps))))
     return 0
 
 

@@ -160,8 +160,8 @@ def load_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, schedule
         raise CheckpointError(
             f"{folder} is not a complete checkpoint (no {MARKER} marker); complete ones: {complete or 'none'}"
         )
+    meta = read_meta(folder, step)
     try:
-        meta = json.loads((folder / "trainer.json").read_text())
         check_same_mode(meta, model, folder)
         options = state_dict_options(model)
         model_state, optim_state = get_state_dict(model, optimizer, options=options)
@@ -172,14 +172,50 @@ def load_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, schedule
         scheduler.load_state_dict({**meta["scheduler"], "lr_lambdas": [None] * len(optimizer.param_groups)})
         rng_file = folder / f"rng_rank_{_rank()}.safetensors"
         if rng_file.is_file():  # a run resumed on more ranks than it had keeps the new ranks' seeds
-            set_rng_state(load_file(str(rng_file)))
+            load_rng_state(rng_file)
     except CheckpointError:
         raise
     except (OSError, KeyError, ValueError, RuntimeError, pickle.UnpicklingError, CheckpointException) as e:
         raise CheckpointError(f"cannot load checkpoint {folder}: {one_line(_root_cause(e))}") from e
-    if meta["step"] != step:
-        raise CheckpointError(f"{folder / 'trainer.json'} says step {meta['step']}, expected {step}")
     return step
+
+
+def read_meta(folder: Path, step: int) -> dict:
+    """``trainer.json``, checked for what a load reads from it; one line naming the file and
+    the field otherwise (a damaged or hand-edited file must not end in an AttributeError)."""
+    path = folder / "trainer.json"
+    try:
+        meta = json.loads(path.read_bytes())
+    except (OSError, ValueError, RecursionError) as e:  # ValueError: not JSON, not UTF-8
+        raise CheckpointError(f"cannot read {path}: {one_line(e)}") from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{path} holds a JSON {type(meta).__name__}, expected an object with step, lora and scheduler")
+    if type(meta.get("step")) is not int:
+        raise CheckpointError(f"{path}: step is {meta.get('step')!r:.40}, expected a whole number")
+    if meta["step"] != step:
+        raise CheckpointError(f"{path} says step {meta['step']}, expected {step}")
+    if not isinstance(meta.get("lora", False), bool):
+        raise CheckpointError(f"{path}: lora is {meta['lora']!r:.40}, expected true or false")
+    scheduler = meta.get("scheduler")
+    if not isinstance(scheduler, dict) or type(scheduler.get("last_epoch")) is not int:
+        raise CheckpointError(f"{path}: scheduler is {scheduler!r:.60}, expected the LR schedule's state (an object with last_epoch)")
+    for key in ("base_lrs", "_last_lr"):  # the schedule multiplies these: a string would fail mid-training
+        lrs = scheduler.get(key, [])
+        if not isinstance(lrs, list) or not all(isinstance(v, int | float) and not isinstance(v, bool) for v in lrs):
+            raise CheckpointError(f"{path}: scheduler.{key} is {lrs!r:.60}, expected a list of learning rates")
+    return meta
+
+
+def load_rng_state(path: Path) -> None:
+    """Restore this rank's RNG from ``path``; one line naming the file when it is not what
+    ``save_checkpoint`` wrote (safetensors raises its own error type, with no file name)."""
+    try:
+        state = load_file(str(path))
+        if not isinstance(state.get("cpu"), torch.Tensor) or state["cpu"].dtype != torch.uint8:
+            raise ValueError("no uint8 tensor `cpu` (the CPU generator's state)")
+        set_rng_state(state)
+    except Exception as e:  # noqa: BLE001 - SafetensorError, or torch refusing a wrong-sized state
+        raise CheckpointError(f"cannot load checkpoint {path.parent}: {path.name} is not an RNG state file: {one_line(e)}") from e
 
 
 def check_same_mode(meta: dict, model: nn.Module, folder: Path) -> None:

@@ -26,7 +26,7 @@ from prime_rl.metrics import Metrics, make_metrics
 from prime_rl.rundir import checkpoint_step_dir
 from prime_rl.settings import run_process
 from prime_rl.wire import TrainBatch
-from trainer.ckpt import checkpoint_due, load_checkpoint, save_checkpoint
+from trainer.ckpt import CheckpointError, checkpoint_due, load_checkpoint, save_checkpoint
 from trainer.data import BatchReceiver, MicroTensors, collate, micro_batches
 from trainer.head import HeadQuery
 from trainer.loss import distill_advantages, policy_loss, reverse_kl_sum
@@ -370,7 +370,7 @@ def reset_peak_memory() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_process("trainer", TrainerConfig, train, argv)
+    return run_process("trainer", TrainerConfig, train, argv, expected=(CheckpointError,))  # a damaged checkpoint: one line
 
 
 if __name__ == "__main__":
