@@ -1,12 +1,21 @@
 """Launcher lifecycle with stand-in processes: failure naming, Ctrl-C, no orphans."""
 
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
+
+import pytest
 
 from helpers import new_tag, tagged_processes
+from prime_rl import launcher
+from prime_rl.launcher import ProcessSpec, TmuxView, tmux_session_name
+from prime_rl.rundir import log_path
+from prime_rl.status import StatusOptions
 
 # A parent that starts a grandchild in its own process group, like vLLM's API server.
 SERVE_FOREVER = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); print('serving', flush=True); time.sleep(600)"
@@ -114,9 +123,12 @@ def test_with_tmux_nothing_of_the_run_is_left_the_moment_the_launcher_returns(tm
     env = {**os.environ, "PRIME_RL_TEST_TAG": tag, "TMUX_TMPDIR": str(tmp_path)}  # a tmux server of the test's own
     env.pop("TMUX", None)
     specs = '[ProcessSpec("trainer", [sys.executable, "-c", "print(1)"])]'
-    script = driver(tmp_path / "run", specs).replace("use_tmux=False, session_name='unused'", "use_tmux=True, session_name='t'")
+    # A name tmux refuses as it is (`.`): the launcher opens the session under a safe name.
+    named = "use_tmux=True, session_name='prime-rl-qwen0.6b'"
+    script = driver(tmp_path / "run", specs).replace("use_tmux=False, session_name='unused'", named)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 0, done.stderr
+    assert "tmux attach -t prime-rl-qwen0_6b-786ceb`" in done.stdout and "headless" not in done.stderr, done.stderr
     assert tagged_processes(tag) == []
 
     subprocess.run(["tmux", "new-session", "-d", "-s", "users", "sleep 600"], env=env, check=True)
@@ -129,3 +141,117 @@ def test_with_tmux_nothing_of_the_run_is_left_the_moment_the_launcher_returns(tm
         assert sessions.split() == ["users"]
     finally:
         subprocess.run(["tmux", "kill-server"], env=env)
+
+
+# --------------------------------------------------------------------------- tmux names, pane commands
+
+SESSION_NAMES = ["prime-rl-qwen0.6b", "prime-rl-a:b", "prime-rl-my run", "prime-rl-it's \"q\"", "prime-rl-" + "x" * 300,
+                 "prime-rl-ünï", "prime-rl-a\nb", "prime-rl-$(id)", ""]
+
+
+def test_tmux_session_names_are_ones_tmux_accepts():
+    import libtmux.common
+
+    for name in SESSION_NAMES:
+        safe = tmux_session_name(name)
+        assert re.fullmatch(r"[A-Za-z0-9_-]{1,64}", safe), (name, safe)
+        libtmux.common.session_check_name(safe)  # raises BadSessionName on `.` and `:`
+        assert tmux_session_name(safe) == safe, "run() sanitizes again what a caller already did"
+    assert tmux_session_name("prime-rl-ok_run-1") == "prime-rl-ok_run-1", "a safe short name is kept"
+    assert tmux_session_name("prime-rl-qwen0.6b") != tmux_session_name("prime-rl-qwen0_6b"), "no two runs share a session"
+    node = tmux_session_name("prime-rl-" + "y" * 300, "node1.cluster")
+    assert node.endswith("-node1_cluster") and len(node) <= 64 and tmux_session_name(node) == node
+
+
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux not installed")
+def test_tmux_takes_every_sanitized_name(tmp_path):
+    """The real tmux, on a socket of the test's own: each name opens a session found by that name."""
+    socket = str(tmp_path / "tmux.sock")
+    try:
+        for name in SESSION_NAMES:
+            safe = tmux_session_name(name)
+            subprocess.run(["tmux", "-S", socket, "new-session", "-d", "-s", safe, "sleep 30"], check=True, timeout=10)
+            found = subprocess.run(["tmux", "-S", socket, "has-session", "-t", f"={safe}"], timeout=10)
+            assert found.returncode == 0, safe
+    finally:
+        subprocess.run(["tmux", "-S", socket, "kill-server"], capture_output=True, timeout=10)
+
+
+# (run directory name, whether Python's repr quoting, as the panes had, lets the shell run it)
+HOSTILE_DIRS = [("it's $(touch PWNED)", True), ("it's `touch PWNED`", True), ('a"b`touch PWNED`', False),
+                ("x'; touch PWNED; echo '", False), ("$HOME ${PWD} \\ !", False), ("-n5", False),
+                ("line\nbreak; touch PWNED", False)]
+
+
+def pane_commands(run_dir: Path) -> list[tuple[str, list[str]]]:
+    """(the shell line tmux runs, the argv it must mean) for a log pane and the status pane."""
+    log = log_path(run_dir, "trainer")
+    status = StatusOptions(max_steps=5, every_steps=0, interval_s=2.0)
+    return [
+        (TmuxView._follow(log), ["tail", "-n", "+1", "-F", f"--pid={os.getpid()}", "--", str(log)]),
+        (status.pane_command(run_dir, 4321), [sys.executable, "-m", "prime_rl.status", "--follow", "--pid", "4321",
+                                              "--interval", "2", "--max-steps", "5", "--", str(run_dir)]),
+    ]
+
+
+def words_the_shell_sees(line: str, cwd: Path) -> list[str]:
+    """Run ``line`` through `sh -c` with its words printed instead of executed (`printf`), so
+    any substitution in it really runs, in ``cwd``."""
+    out = subprocess.run(["sh", "-c", "printf '%s\\0' " + line], cwd=cwd, capture_output=True, timeout=10, check=True)
+    return out.stdout.decode().split("\0")[:-1]
+
+
+@pytest.mark.parametrize("name, repr_runs_it", HOSTILE_DIRS)
+def test_pane_commands_quote_every_word_for_the_shell(tmp_path, name, repr_runs_it):
+    run_dir = tmp_path / name
+    for line, argv in pane_commands(run_dir):
+        assert words_the_shell_sees(line, tmp_path) == argv, line
+        assert "\n" not in line or "'" in line
+    assert not (tmp_path / "PWNED").exists(), "the shell ran a substitution from the run directory's name"
+    if repr_runs_it:  # the test's teeth: with repr quoting, as before, the shell runs the name
+        words_the_shell_sees(f"tail {str(log_path(run_dir, 'trainer'))!r}", tmp_path)
+        assert (tmp_path / "PWNED").exists()
+
+
+def test_a_view_tmux_cannot_open_leaves_the_run_headless(tmp_path, monkeypatch, capsys):
+    """A tmux failure after the run directory is set up (it is marked by then) must not stop
+    the run: one line says so and the run goes on headless."""
+    class Broken:
+        def __init__(self, *args, **kwargs):
+            raise RuntimeError("server exited unexpectedly\n(details)")
+
+        @staticmethod
+        def discard(name):
+            pass
+
+    monkeypatch.setattr(launcher, "TmuxView", Broken)
+    specs = [ProcessSpec("trainer", [sys.executable, "-c", "print('trained')"])]
+    assert launcher.run(tmp_path, specs, use_tmux=True, session_name="prime-rl-qwen0.6b") == 0
+    out, err = capsys.readouterr()
+    assert err.strip().splitlines() == [
+        "[prime-rl] tmux could not open session 'prime-rl-qwen0_6b-786ceb' (server exited unexpectedly (details)); running headless"
+    ]
+    assert "logs:" in out and "run finished" in out
+    assert (tmp_path / "logs" / "trainer.log").read_text() == "trained\n"
+
+
+@pytest.mark.parametrize("name", ["it's $(touch PWNED)", "a b`touch PWNED`", "line\ntouch PWNED"])
+def test_the_slurm_job_script_never_runs_a_run_directory_name(tmp_path, name):
+    """The sbatch script names the run directory in shell words (quoted) and in a comment and
+    `#SBATCH` lines, where no quoting helps: a line break there is refused in one line."""
+    from prime_rl.config import RLConfig
+    from prime_rl.settings import ConfigError
+    from prime_rl.slurm import render, session_name
+
+    run_dir = tmp_path / name
+    config = RLConfig.model_validate({"model": "Qwen/Qwen3-0.6B", "batch_size": 64, "slurm": {"gpus_per_node": 8}})
+    if "\n" in name:
+        with pytest.raises(ConfigError, match="trainer.output_dir: .* holds a line break") as refused:
+            render(config, run_dir, run_dir / "slurm" / "rl.json", python="/venv/python", workdir=tmp_path)
+        assert len(str(refused.value).splitlines()) == 1
+        return
+    script = render(config, run_dir, run_dir / "slurm" / "rl.json", python="/venv/python", workdir=tmp_path)
+    node_line = next(line for line in script.splitlines() if line.startswith("NODE=("))
+    assert words_the_shell_sees(node_line.removeprefix("NODE=(").removesuffix(")"), tmp_path)[-1].startswith(str(run_dir))
+    assert not (tmp_path / "PWNED").exists()
+    assert re.fullmatch(r"[A-Za-z0-9_-]+", session_name(run_dir, "gpu1.cluster"))

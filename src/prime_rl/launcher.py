@@ -23,7 +23,10 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import hashlib
 import os
+import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -283,11 +286,23 @@ class TmuxView:
         self.name = session_name
 
     @staticmethod
+    def discard(session_name: str) -> None:
+        """Kill the session ``session_name`` if it exists (what a failed ``__init__`` made)."""
+        import libtmux
+
+        server = libtmux.Server()
+        if server.has_session(session_name):
+            server.kill_session(session_name)
+
+    @staticmethod
     def _follow(log: Path) -> str:
         """A pane's command: follow the log while the launcher lives. When the launcher dies,
         even by SIGKILL (a SLURM step's end), the panes end, and with them the session and
         the tmux server: nothing outlives the run."""
-        return f"tail -n +1 -F --pid={os.getpid()} {str(log)!r}"
+        # shlex, never repr: a run directory named `it's $(touch X)` is one word to the shell
+        # tmux runs the pane in, not a quote to close and a command to substitute.
+        # `--`: a relative run directory named `-n5` stays a file name.
+        return shlex.join(["tail", "-n", "+1", "-F", f"--pid={os.getpid()}", "--", str(log)])
 
     def close(self) -> None:
         """End the session, and return once its panes' processes are gone, and the tmux
@@ -319,6 +334,42 @@ def tmux_available() -> bool:
     return shutil.which("tmux") is not None
 
 
+SESSION_NAME_MAX = 64  # tmux sets no limit; this keeps `tmux ls` and the attach line readable
+NODE_SUFFIX_MAX = 24
+
+
+def tmux_session_name(name: str, suffix: str = "") -> str:
+    """``name`` (then ``-suffix``: a SLURM node) as a tmux session name of at most
+    ``SESSION_NAME_MAX`` characters. tmux and libtmux refuse `.` and `:`, and a space or quote
+    would need quoting in the `tmux attach -t` line we print, so every character outside
+    ``[A-Za-z0-9_-]`` becomes `_`. A name that had to change or be shortened ends in 6 hex
+    digits of its hash, so two run directories (`qwen0.6b`, `qwen0_6b`) never share a session
+    (the launcher replaces a session of its own name). The suffix is only made safe, so a user
+    can still write it by hand. A name this returns comes back unchanged."""
+    budget = SESSION_NAME_MAX - (1 + NODE_SUFFIX_MAX if suffix else 0)
+    safe = re.sub(r"[^A-Za-z0-9_-]", "_", name)
+    if safe != name or not 0 < len(safe) <= budget:
+        digest = hashlib.sha256(name.encode("utf-8", "surrogateescape")).hexdigest()[:6]
+        safe = f"{safe[:budget - 7] or 'prime-rl'}-{digest}"
+    return safe + (f"-{re.sub(r'[^A-Za-z0-9_-]', '_', suffix)[:NODE_SUFFIX_MAX]}" if suffix else "")
+
+
+def open_view(session_name: str, run_dir: Path, names: list[str], extra: tuple[tuple[str, str], ...]) -> TmuxView | None:
+    """The tmux view, or None (the run goes on headless, said in one line) when tmux cannot
+    open it: the run directory is marked and set up by now, and a view must never be what
+    stops a run (nor leave a half-made session behind)."""
+    try:
+        view = TmuxView(session_name, run_dir, names, extra)
+    except Exception as e:  # noqa: BLE001 - libtmux raises its own errors, tmux's and OSError
+        with contextlib.suppress(Exception):
+            TmuxView.discard(session_name)
+        reason = " ".join(str(e).split()) or type(e).__name__
+        print(f"[prime-rl] tmux could not open session {session_name!r} ({reason}); running headless", file=sys.stderr, flush=True)
+        return None
+    print(f"[prime-rl] tmux session {session_name!r}: attach with `tmux attach -t {session_name}`", flush=True)
+    return view
+
+
 # --------------------------------------------------------------------------- entry
 
 
@@ -338,9 +389,8 @@ def run(
     logged = [s.name for s in specs if not s.terminal]
     if use_tmux:
         extra = (("status", status.pane_command(run_dir, os.getpid())),) if status is not None else ()
-        view = TmuxView(session_name, run_dir, logged + list(follow), extra)
-        print(f"[prime-rl] tmux session {session_name!r}: attach with `tmux attach -t {session_name}`", flush=True)
-    elif logged:
+        view = open_view(tmux_session_name(session_name), run_dir, logged + list(follow), extra)
+    if view is None and logged:
         names = logged[0] if len(logged) == 1 else f"{{{','.join(logged)}}}"
         print(f"[prime-rl] logs: {run_dir / 'logs'}/{names}.log", flush=True)
     if status is not None and view is None and status.every_steps:

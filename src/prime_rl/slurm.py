@@ -30,7 +30,7 @@ from prime_rl.config import RLConfig, SlurmConfig
 from prime_rl.deployment import (
     Placement, count_gpus, describe, plan_multi_node, plan_single_node, process_specs, resolve_transport,
 )
-from prime_rl.launcher import run, tmux_available
+from prime_rl.launcher import run, tmux_available, tmux_session_name
 from prime_rl.rundir import write_json_atomic
 from prime_rl.resolve import resolve
 from prime_rl.settings import ConfigError
@@ -49,8 +49,8 @@ def job_name(config: RLConfig, run_dir: Path) -> str:
 
 
 def session_name(run_dir: Path, node: str) -> str:
-    """A tmux session per node (two SLURM nodes may share a machine)."""
-    return f"prime-rl-{run_dir.name}-{node}"
+    """A tmux session per node (two SLURM nodes may share a machine), named as tmux accepts."""
+    return tmux_session_name(f"prime-rl-{run_dir.name}", node)
 
 
 # --------------------------------------------------------------------------- submission
@@ -94,6 +94,7 @@ def render(config: RLConfig, run_dir: Path, resolved: Path, *, python: str, work
     if slurm.account:
         directives.append(f"--account={slurm.account}")
     directives += slurm.sbatch_args
+    check_one_line(run_dir, directives)
     node_cmd = [python, "-m", "prime_rl.cli", "slurm-node", str(resolved.resolve())] + ([] if tmux else ["--no-tmux"])
     lines = ["#!/bin/bash", *(f"#SBATCH {d}" for d in directives)]
     lines += [
@@ -136,6 +137,16 @@ def render(config: RLConfig, run_dir: Path, resolved: Path, *, python: str, work
         'exit "$code"',
     ]
     return "\n".join(lines) + "\n"
+
+
+def check_one_line(run_dir: Path, directives: list[str]) -> None:
+    """The script names the run directory in a comment and `#SBATCH` lines, where quoting does
+    not help: a line break there would end the line and bash would run the rest as a command."""
+    if any(c in str(run_dir) for c in "\r\n"):
+        raise ConfigError(f"trainer.output_dir: {str(run_dir)!r} holds a line break; a SLURM job script cannot name it safely")
+    for directive in directives:
+        if any(c in directive for c in "\r\n"):
+            raise ConfigError(f"slurm: the #SBATCH option {directive!r} holds a line break; give each option on one line")
 
 
 MEMORY_OPTIONS = frozenset({"--mem", "--mem-per-cpu", "--mem-per-gpu"})
