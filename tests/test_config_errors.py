@@ -76,6 +76,14 @@ CASES = [
     ("", ["--sampling.temperature", "nan"], "sampling.temperature: Input should be a finite number"),
     ("[trainer.optim]\nmax_grad_norm = inf\n", [], "trainer.optim.max_grad_norm: Input should be a finite number"),
     ("[[env]]\nid = 'reverse-text'\nweight = nan\n", [], "env.0.weight: Input should be a finite number"),
+    # ... and in environment args, at any depth: the resolved config (JSON) would hand the
+    # environment None instead
+    ("[[env]]\nargs = { threshold = nan }\n", [], "env.0.args: `threshold`: expected a finite number, got nan"),
+    ("[[env]]\nargs = { a = { b = [1.0, 2, { c = -inf }] } }\n", [], "env.0.args: `a.b[2].c`: expected a finite number, got -inf"),
+    ("[[env]]\nargs = { big = 1e999 }\n", [], "env.0.args: `big`: expected a finite number, got inf"),
+    ("[[env]]\n[[env]]\nid = 'alphabet-sort'\nargs.x = [[+inf]]\n", [], "env.1.args: `x[0][0]`: expected a finite number, got inf"),
+    ("", ["--env", '[{"id": "reverse-text", "args": {"t": NaN}}]'], "env.0.args: `t`: expected a finite number, got nan"),
+    ("", ["--env", '[{"args": {"s": [{"t": -Infinity}]}}]'], "env.0.args: `s[0].t`: expected a finite number, got -inf"),
     # checkpoints and resuming
     ("[ckpt]\ninterval = -1\n", [], "ckpt.interval: Input should be greater than or equal to 0"),
     ("[orchestrator.ckpt]\ninterval = 3\n", [], "conflicting values: `orchestrator.ckpt` differs from `trainer.ckpt`"),
@@ -98,3 +106,32 @@ def test_malformed_config_stops_before_any_process(tmp_path, capsys, text, flags
     assert expected in err, err
     assert len(err.splitlines()) == 1, err
     assert not run.exists(), "a rejected config must not create or touch the run directory"
+
+
+@pytest.mark.parametrize("args, expected", [
+    ('{"threshold": NaN}', "`threshold`: expected a finite number, got nan"),
+    ('{"a": {"b": [1, Infinity]}}', "`a.b[1]`: expected a finite number, got inf"),
+    ('{"a": [[{"c": -Infinity}]]}', "`a[0][0].c`: expected a finite number, got -inf"),
+    ('{"big": -1e999}', "`big`: expected a finite number, got -inf"),
+])
+def test_env_args_flag_refuses_nan_and_inf_naming_the_key(tmp_path, capsys, args, expected):
+    """`prime-rl eval|gepa ENV -a JSON`: Python's json reads NaN and Infinity (and 1e999 as inf)."""
+    for command in ("eval", "gepa"):
+        with pytest.raises(SystemExit) as exit_info:
+            main([command, "reverse-text", "-a", args, "--output-dir", str(tmp_path / "out")])
+        err = capsys.readouterr().err.strip()
+        assert exit_info.value.code == 2, err
+        assert err == f"prime-rl: -a/--env-args: {expected}", err
+        assert not (tmp_path / "out").exists()
+
+
+def test_finite_env_args_pass(tmp_path):
+    from prime_rl.config import EnvConfig, RLConfig
+
+    args = {"t": 0.5, "n": [1, -2.5e300, {"x": 0.0}], "s": "nan", "flag": True, "none": None}
+    assert EnvConfig(args=args).args == args
+    eval_entry = {"id": "reverse-text", "env_args": {"inf": "inf"}}  # a key or string named inf is fine
+    from prime_rl.config import EvalRunConfig
+
+    assert EvalRunConfig.model_validate({"eval": [eval_entry]}).eval[0].args == {"inf": "inf"}
+    assert RLConfig.model_validate({"env": [{"args": args}]}).orchestrator.env[0].args == args

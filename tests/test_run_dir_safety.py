@@ -193,3 +193,105 @@ def test_sft_eval_and_gepa_refuse_a_file_or_proc_as_output_dir(tmp_path, tiny_mo
             assert err.startswith("prime-rl: output_dir (--output-dir): ") and expected in err, (name, err)
             assert len(err.splitlines()) == 1, (name, err)
     assert launches == []
+
+
+def fifo(path: Path) -> None:
+    os.mkfifo(path)
+
+
+def bad_markers(tmp_path: Path) -> dict[str, tuple]:
+    """Markers `--clean` must not trust: (how to make it at PATH, what the refusal says)."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir(exist_ok=True)
+    write_run_marker(elsewhere)  # a real marker, reached through a link
+    return {
+        "empty": (lambda p: p.write_text(""), "has an empty .prime-rl-run marker"),
+        "blank lines": (lambda p: p.write_text("\n \n"), "has an empty .prime-rl-run marker"),
+        "text": (lambda p: p.write_text("mine"), "whose content is not a prime-rl run's"),
+        "empty object": (lambda p: p.write_text("{}"), "whose content is not a prime-rl run's"),
+        "other format": (lambda p: p.write_text('{"format": "x", "kind": "rl", "run_id": "1"}'), "content is not"),
+        "format, no run id": (lambda p: p.write_text('{"format": "prime-rl-run", "kind": "rl"}'), "content is not"),
+        "old form, pid missing": (lambda p: p.write_text('{"kind": "rl", "created": "x", "hostname": "h"}'), "content is not"),
+        "a list": (lambda p: p.write_text('[{"kind": "rl"}]'), "whose content is not a prime-rl run's"),
+        "binary": (lambda p: p.write_bytes(b"\xff\xfe{"), "whose content is not a prime-rl run's"),
+        "huge": (lambda p: p.write_text('{"kind": "rl", "pad": "' + "x" * 10_000 + '"}'), "content is not"),
+        "link to a real marker": (lambda p: p.symlink_to(elsewhere / RUN_MARKER), "has a link as its .prime-rl-run marker"),
+        "dangling link": (lambda p: p.symlink_to(tmp_path / "nowhere"), "has a link as its .prime-rl-run marker"),
+        "folder": (lambda p: p.mkdir(), "that is not a regular file"),
+        "fifo": (fifo, "that is not a regular file"),
+    }
+
+
+def test_clean_refuses_a_marker_no_run_wrote_and_deletes_nothing(tmp_path, tiny_model, capsys, launches):
+    for name, (make, expected) in bad_markers(tmp_path).items():
+        run = tmp_path / f"run-{name.replace(' ', '-')}"
+        someone_elses_folder(run)
+        make(run / RUN_MARKER)
+        code, err = cli(capsys, write_config(tmp_path, tiny_model, run), "--no-tmux", "--clean")
+        assert code == 2, (name, err)
+        assert err.startswith(f"prime-rl: --clean: output_dir {str(run)!r} ") and expected in err, (name, err)
+        assert "delete them yourself" in err and len(err.splitlines()) == 1, (name, err)
+        assert state_left(run) == list(STATE), f"{name}: nothing deleted"
+        assert (run / "logs" / "precious.txt").read_text() == "keep me"
+    assert launches == []
+    assert (tmp_path / "elsewhere" / RUN_MARKER).is_file(), "a marker behind a link is left alone"
+
+
+def test_clean_trusts_the_marker_of_a_run_from_before_the_format_tag(tmp_path, tiny_model, capsys, launches):
+    """Markers the first marking version wrote (kind, created, hostname, pid; no format, no run id)."""
+    run = tmp_path / "run"
+    someone_elses_folder(run)
+    (run / RUN_MARKER).write_text('{"kind": "rl", "created": "2026-11-30T10:00:00+0000", "hostname": "h", "pid": 7}\n')
+    code, err = cli(capsys, write_config(tmp_path, tiny_model, run), "--no-tmux", "--clean")
+    assert code == 0, err
+    assert state_left(run) == [] and launches == [[]]
+    marker = json.loads((run / RUN_MARKER).read_text())
+    assert marker["format"] == "prime-rl-run" and len(marker["run_id"]) == 32, "rewritten in today's form"
+
+
+def test_the_marker_is_never_written_through_a_link(tmp_path, tiny_model, capsys, launches):
+    outside = tmp_path / "outside.txt"
+    outside.write_text("not the run's")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / RUN_MARKER).symlink_to(outside)
+    (run / f"{RUN_MARKER}.tmp").symlink_to(tmp_path / "outside-tmp.txt")  # where the atomic write starts
+    code, err = cli(capsys, write_config(tmp_path, tiny_model, run), "--no-tmux")
+    assert code == 0, err
+    assert outside.read_text() == "not the run's" and not (tmp_path / "outside-tmp.txt").exists()
+    marker = run / RUN_MARKER
+    assert not marker.is_symlink() and json.loads(marker.read_text())["format"] == "prime-rl-run"
+
+
+def test_clean_removes_a_link_in_the_run_never_what_it_points_at(tmp_path, tiny_model, capsys, launches):
+    kept = tmp_path / "shared-logs"
+    kept.mkdir()
+    (kept / "other-run.log").write_text("keep me")
+    run = tmp_path / "run"
+    run.mkdir()
+    write_run_marker(run)
+    (run / "logs").symlink_to(kept, target_is_directory=True)
+    (run / "metrics.jsonl").symlink_to(tmp_path / "shared-metrics.jsonl")
+    (tmp_path / "shared-metrics.jsonl").write_text('{"step": 0}\n')
+    code, err = cli(capsys, write_config(tmp_path, tiny_model, run), "--no-tmux", "--clean")
+    assert code == 0, err
+    assert not (run / "logs").exists() and not (run / "metrics.jsonl").is_symlink()
+    assert (kept / "other-run.log").read_text() == "keep me"
+    assert (tmp_path / "shared-metrics.jsonl").read_text() == '{"step": 0}\n'
+
+
+def test_clean_checks_the_marker_again_just_before_it_deletes(tmp_path, tiny_model, capsys, monkeypatch):
+    """The marker is read when the checks run and again right before the deletion: a marker
+    that became empty meanwhile (another process, a user) stops it."""
+    run = tmp_path / "run"
+    someone_elses_folder(run)
+    write_run_marker(run)
+
+    def port_check_that_takes_a_while(*args, **kwargs):
+        (run / RUN_MARKER).write_text("")
+
+    monkeypatch.setattr("prime_rl.commands.rl.check_ports", port_check_that_takes_a_while)
+    monkeypatch.setattr("prime_rl.commands.rl.run", lambda *a, **k: pytest.fail("launched"))
+    code, err = cli(capsys, write_config(tmp_path, tiny_model, run), "--no-tmux", "--clean")
+    assert code == 2 and "has an empty .prime-rl-run marker" in err, err
+    assert state_left(run) == list(STATE)

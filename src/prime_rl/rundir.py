@@ -20,6 +20,7 @@ import json
 import os
 import re
 import shutil
+import stat
 from collections.abc import Callable
 from pathlib import Path
 
@@ -273,23 +274,77 @@ RUN_MARKER = ".prime-rl-run"
 """``RUN/.prime-rl-run``: written by the launcher when a run starts, after every check passed.
 `--clean` deletes a directory's run state only when this marker says a prime-rl run made it."""
 
+RUN_MARKER_FORMAT = "prime-rl-run"
+"""The marker's ``format`` tag. Markers written before it existed (JSON with ``kind``,
+``created``, ``hostname``, ``pid``) still count; an empty file never did: prime-rl never wrote one."""
+
+_MARKER_MAX_BYTES = 4096  # a marker is ~150 bytes; a bigger file is not one of ours
+
 
 def run_marker_path(run: Path) -> Path:
     return Path(run) / RUN_MARKER
 
 
 def is_marked_run(run: Path) -> bool:
-    return run_marker_path(run).is_file()
+    return run_marker_problem(run) is None
+
+
+def run_marker_problem(run: Path) -> str | None:
+    """None when ``run`` holds a marker a prime-rl run wrote, else what is wrong with it, as
+    the end of a sentence ("holds no .prime-rl-run marker", "... is a link"). The marker is read
+    without following a link (``O_NOFOLLOW``): a link proves nothing about this folder."""
+    path = run_marker_path(run)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)  # NONBLOCK: a FIFO must not hang us
+    except FileNotFoundError:
+        return f"holds no {RUN_MARKER} marker"
+    except OSError as e:
+        if path.is_symlink():  # ELOOP from O_NOFOLLOW
+            return f"has a link as its {RUN_MARKER} marker, not a file a prime-rl run wrote"
+        return f"has a {RUN_MARKER} marker that cannot be read ({e.strerror or e})"
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):  # a folder, a FIFO, a device
+            return f"has a {RUN_MARKER} that is not a regular file"
+        content = os.read(fd, _MARKER_MAX_BYTES + 1)
+    except OSError as e:
+        return f"has a {RUN_MARKER} marker that cannot be read ({e.strerror or e})"
+    finally:
+        os.close(fd)
+    if not content.strip():
+        return f"has an empty {RUN_MARKER} marker, which no prime-rl run writes (its marker holds JSON)"
+    if not _is_marker_content(content):
+        return f"has a {RUN_MARKER} marker whose content is not a prime-rl run's (expected JSON with format {RUN_MARKER_FORMAT!r})"
+    return None
+
+
+def _is_marker_content(content: bytes) -> bool:
+    if len(content) > _MARKER_MAX_BYTES:
+        return False
+    try:
+        data = json.loads(content)
+    except (ValueError, RecursionError):  # not UTF-8, not JSON, nested absurdly
+        return False
+    if not isinstance(data, dict) or not isinstance(data.get("kind"), str):
+        return False
+    if data.get("format") == RUN_MARKER_FORMAT:
+        return isinstance(data.get("run_id"), str)
+    # The first markers (before the format tag): kind, created, hostname, pid.
+    return "format" not in data and isinstance(data.get("created"), str) and isinstance(data.get("hostname"), str) \
+        and type(data.get("pid")) is int
 
 
 def write_run_marker(run: Path, kind: str = "rl", **extra) -> Path:
-    """Mark ``run`` as a prime-rl run directory (JSON: kind, created time, host, pid), atomically."""
+    """Mark ``run`` as a prime-rl run directory (JSON: format tag, a fresh run id, kind, created
+    time, host, pid), atomically and never through a link: ``write_json_atomic`` creates its
+    temporary file with ``O_EXCL`` (which refuses a link in its place) and renames it over the
+    marker, which replaces a link there instead of writing where it points."""
     import socket
     import time
+    import uuid
 
     path = run_marker_path(run)
-    data = {"kind": kind, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "hostname": socket.gethostname(),
-            "pid": os.getpid(), **extra}
+    data = {"format": RUN_MARKER_FORMAT, "run_id": uuid.uuid4().hex, "kind": kind,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "hostname": socket.gethostname(), "pid": os.getpid(), **extra}
     write_json_atomic(path, data)
     return path
 

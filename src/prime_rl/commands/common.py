@@ -15,7 +15,7 @@ from typing import Any, get_args, get_origin
 from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 
-from prime_rl.config import EvalRunConfig, GepaRunConfig, RLConfig
+from prime_rl.config import EvalRunConfig, GepaRunConfig, RLConfig, check_env_args
 from prime_rl.deployment import QUIET, Placement, PlacementError, plan_single_node, write_config
 from prime_rl.launcher import ProcessSpec
 from prime_rl.rundir import config_path, output_dir_problem
@@ -139,7 +139,10 @@ def parse_env_args(value: str) -> dict[str, Any]:
         raise ConfigError("-a/--env-args: not valid JSON: objects or arrays nested too deeply") from None
     if not isinstance(parsed, dict):
         raise ConfigError(f"-a/--env-args: expected a JSON object of load_environment() arguments, got {value!r}")
-    return parsed
+    try:  # Python's json takes NaN and Infinity (and 1e999 becomes inf): refused here, naming the key
+        return check_env_args(parsed)
+    except ValueError as e:
+        raise ConfigError(f"-a/--env-args: {e}") from None
 
 
 def entry_options(options: dict, entry: dict[str, Any]) -> str:

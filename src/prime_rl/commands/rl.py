@@ -3,6 +3,7 @@ launcher, on this machine or as a SLURM job; `--resume` continues one."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 from collections.abc import Callable
@@ -26,8 +27,11 @@ from prime_rl.rundir import (
     logs_dir,
     metrics_path,
     rollouts_dir,
+    run_marker_path,
+    run_marker_problem,
     weights_dir,
     weights_step_dir,
+    write_failed,
     write_run_marker,
 )
 from prime_rl.settings import ConfigError, load_config, split_argv
@@ -226,29 +230,47 @@ def check_run_dir(run_dir: Path, clean: bool, dry_run: bool) -> list[Path]:
             f"output_dir {str(run_dir)!r} holds a previous run ({names}); "
             "pass --resume to continue it, --clean to start over, or choose another --output-dir"
         )
-    if not is_marked_run(run_dir):
+    check_clean_allowed(run_dir, names)
+    return leftovers
+
+
+def check_clean_allowed(run_dir: Path, names: str) -> None:
+    """`--clean` empties only a folder whose marker a prime-rl run wrote (``run_marker_problem``:
+    a regular file, not a link, holding the marker's JSON); anything else keeps ``names``."""
+    problem = run_marker_problem(run_dir)
+    if problem is None:
+        return
+    if not os.path.lexists(run_marker_path(run_dir)):
         raise ConfigError(
             f"--clean: output_dir {str(run_dir)!r} was not made by a prime-rl run (no {RUN_MARKER} marker), so its "
             f"{names} stay; a run started before prime-rl wrote that marker has none either: delete it yourself, "
             "continue it with --resume (which marks it), or choose another --output-dir"
         )
-    return leftovers
+    raise ConfigError(
+        f"--clean: output_dir {str(run_dir)!r} {problem}, so its {names} stay; if the folder is yours to empty, "
+        "delete them yourself, or choose another --output-dir"
+    )
 
 
 def start_run_dir(run_dir: Path, leftovers: list[Path], resume_step: int | None) -> None:
     """The last step before launch: delete what --clean starts over from, or rewind to the resumed
     checkpoint, then mark the directory as a run's. A resumed run keeps its marker; one made
     before the marker existed gets it now (its complete checkpoint shows a prime-rl run made it)."""
+    if leftovers:  # checked again: the folder may have changed since check_run_dir looked
+        check_clean_allowed(run_dir, ", ".join(p.name for p in leftovers))
     for path in leftovers:
-        if path.is_dir():
+        if path.is_dir() and not path.is_symlink():
             shutil.rmtree(path)
-        else:
-            path.unlink()
+        else:  # a file, or a link (even to a folder): the link goes, never what it points at
+            path.unlink(missing_ok=True)
     if resume_step is not None:
         for line in rewind(run_dir, resume_step):
             print(f"[prime-rl] resume: removed {line}", flush=True)
     if resume_step is None or not is_marked_run(run_dir):
-        write_run_marker(run_dir, kind="rl")
+        try:
+            write_run_marker(run_dir, kind="rl")
+        except OSError as e:  # e.g. a folder in the marker's place
+            raise ConfigError(str(write_failed("the run marker", run_marker_path(run_dir), e))) from None
 
 
 def check_ports(config: RLConfig, placement: Placement, dry_run: bool, serve: bool = True) -> None:

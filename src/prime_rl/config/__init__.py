@@ -29,7 +29,7 @@ from prime_rl.config.shared import (  # noqa: F401
     WandbConfig,
     _Z85_KEY,
     _is_loopback,
-    check_args_nesting,
+    check_env_args,
     check_env_names,
     check_environment_id,
     check_model_path,

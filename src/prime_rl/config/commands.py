@@ -11,7 +11,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, field_validator, model_validator
 
 from prime_rl import registry
-from prime_rl.config.shared import CheckpointConfig, ClientConfig, EnvConfig, ModelConfig, SamplingConfig, StrictModel, TransportConfig, WandbConfig, check_args_nesting, check_environment_id, check_prompt_file, environment_name
+from prime_rl.config.shared import CheckpointConfig, ClientConfig, EnvConfig, ModelConfig, SamplingConfig, StrictModel, TransportConfig, WandbConfig, check_env_args, check_environment_id, check_prompt_file, environment_name
 from prime_rl.config.trainer import OptimConfig, TrainerConfig, VLLM_LORA_RANKS, vllm_lora_rank
 from prime_rl.config.orchestrator import EvalConfig, OrchestratorConfig, PreflightConfig
 from prime_rl.config.inference import InferenceConfig
@@ -509,8 +509,8 @@ class EvalEnvConfig(StrictModel):
 
     @field_validator("args")
     @classmethod
-    def _args_not_too_deep(cls, args: dict[str, Any]) -> dict[str, Any]:
-        return check_args_nesting(args)
+    def _args_checked(cls, args: dict[str, Any]) -> dict[str, Any]:
+        return check_env_args(args)
 
     @model_validator(mode="after")
     def _known_environment(self) -> EvalEnvConfig:

@@ -5,6 +5,7 @@ Never imports torch or vLLM (the launcher validates configs before any process s
 from __future__ import annotations
 
 import ipaddress
+import math
 import os
 import re
 import stat
@@ -167,8 +168,8 @@ class EnvConfig(StrictModel):
 
     @field_validator("args")
     @classmethod
-    def _args_not_too_deep(cls, args: dict[str, Any]) -> dict[str, Any]:
-        return check_args_nesting(args)
+    def _args_checked(cls, args: dict[str, Any]) -> dict[str, Any]:
+        return check_env_args(args)
 
     @model_validator(mode="after")
     def _known_environment(self) -> EnvConfig:
@@ -183,13 +184,40 @@ class EnvConfig(StrictModel):
         return self.name or environment_name(self.id).split("/")[-1]
 
 
-def check_args_nesting(args: dict[str, Any]) -> dict[str, Any]:
+def check_env_args(args: dict[str, Any]) -> dict[str, Any]:
     """``load_environment`` arguments whose tables and lists nest no deeper than a config may
-    (what walks them later, the written config included, would hit Python's recursion limit)."""
+    (what walks them later, the written config included, would hit Python's recursion limit)
+    and that hold no `nan` or `inf` (``nonfinite_arg``)."""
     problem = nesting_problem(args)
     if problem:
         raise ValueError(problem)
+    found = nonfinite_arg(args)
+    if found is not None:
+        where, value = found
+        raise ValueError(f"`{shorten(where)}`: expected a finite number, got {value}")
     return args
+
+
+def shorten(text: str, limit: int = 120) -> str:
+    """``text`` cut to ``limit`` characters for a one-line message (a key can be any length)."""
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def nonfinite_arg(args: dict[str, Any]) -> tuple[str, float] | None:
+    """The first `nan`, `inf` or `-inf` at any depth of ``args`` as (path, value), e.g.
+    (`reward.weights[1]`, inf), or None. TOML (`nan`, `inf`, `1e999`) and JSON (`NaN`,
+    `Infinity`) both parse them, but the resolved config is JSON, which has none: they would
+    reach the environment as None. Walks iteratively, in the order the keys were given."""
+    stack: list[tuple[str, Any]] = [(str(k), v) for k, v in reversed(args.items())]
+    while stack:
+        where, value = stack.pop()
+        if isinstance(value, float) and not math.isfinite(value):
+            return where, value
+        if isinstance(value, dict):
+            stack.extend((f"{where}.{k}", v) for k, v in reversed(value.items()))
+        elif isinstance(value, list | tuple):
+            stack.extend((f"{where}[{i}]", v) for i, v in reversed(list(enumerate(value))))
+    return None
 
 
 PSEUDO_FILESYSTEMS = (Path("/proc"), Path("/sys"), Path("/dev"))
