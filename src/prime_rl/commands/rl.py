@@ -13,7 +13,9 @@ from pathlib import Path
 from prime_rl import warm
 from prime_rl.commands.common import RL_OUTPUT_DIR, checked_output_dir, make_dir, planned, print_help, take_resume_step
 from prime_rl.config import RLConfig
-from prime_rl.deployment import Placement, count_gpus, describe, gpu_memory_bytes, plan_single_node, process_specs
+from prime_rl.deployment import (
+    Placement, count_gpus, describe, gpu_memory_bytes, plan_single_node, process_specs, with_server_key,
+)
 from prime_rl.launcher import run, tmux_available
 from prime_rl.memory import estimate_run
 from prime_rl.vllm_command import on_cpu
@@ -85,6 +87,8 @@ def main(argv: list[str]) -> int:
     placement = planned(config, gpus)
     check_engine_build(gpus, dry_run)
     servers = attached_servers(config, placement, run_dir, step)  # before the port check: they hold our ports
+    if not servers:  # our own servers: every route needs a key, drawn when the config names none
+        config = with_server_key(config)
     check_ports(config, placement, dry_run, serve=not servers)
     memory = checked_memory(config, placement, gpus)  # before anything is written: a run that cannot fit stops here
     make_dir(run_dir, RL_OUTPUT_DIR)
@@ -264,7 +268,11 @@ def start_run_dir(run_dir: Path, leftovers: list[Path], resume_step: int | None)
         else:  # a file, or a link (even to a folder): the link goes, never what it points at
             path.unlink(missing_ok=True)
     if resume_step is not None:
-        for line in rewind(run_dir, resume_step):
+        try:  # rewind checks the metrics file again (it may have changed since): nothing is deleted if it refuses
+            removed = rewind(run_dir, resume_step)
+        except ResumeRefused as e:
+            raise ConfigError(str(e)) from None
+        for line in removed:
             print(f"[prime-rl] resume: removed {line}", flush=True)
     if resume_step is None or not is_marked_run(run_dir):
         try:
