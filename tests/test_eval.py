@@ -129,6 +129,8 @@ def test_local_model_gets_its_own_server_on_a_free_port(tmp_path, tiny_model):
     pinned = load_eval_config(["reverse-text", "-m", str(tiny_model), "--inference.port", "8123"])
     resolve_eval_target(pinned)
     assert pinned.client.base_url == "http://127.0.0.1:8123"
+    # our own server requires a key on every route: one drawn per launch, the client's too
+    assert cfg.inference.api_key and cfg.client.api_key == cfg.inference.api_key != pinned.inference.api_key
 
 
 def test_a_lora_runs_weights_are_served_as_an_adapter_on_their_base_model(tmp_path, tiny_model):

@@ -226,3 +226,42 @@ def test_real_vllm_refuses_admin_routes_without_the_key(tmp_path, tiny_model):
     assert tagged_processes(tag) == [], "vLLM's engine process must stop with the server"
 
 
+
+
+def test_a_run_draws_a_key_for_the_servers_it_starts_when_the_config_names_none(tmp_path):
+    """Without `inference.api_key`, any local user could reach the run's own vLLM on loopback
+    and `/pause` it or load other weights: every launch draws a key for its servers (the
+    local teacher's too), written only where the processes read it (0600), never printed."""
+    import stat
+
+    from prime_rl.config import RLConfig
+    from prime_rl.deployment import with_server_key
+    from prime_rl.resolve import resolve
+
+    cfg = resolve(RLConfig.model_validate({
+        "model": "Qwen/Qwen3-0.6B", "batch_size": 64, "teacher": {"model": "t"},
+        "trainer": {"loss": {"distill": {"reward_weight": 0.5}}},
+    }))
+    first, second = with_server_key(cfg), with_server_key(cfg)
+    key = first.inference.api_key
+    assert key and len(key) >= 40 and key != second.inference.api_key and cfg.inference.api_key is None
+    assert first.orchestrator.client.api_key == key and first.orchestrator.teacher.client.api_key == key
+    given = cfg.model_copy(deep=True)
+    given.inference.api_key = "given-key"
+    assert with_server_key(given) is given, "a key the config names is the one used"
+
+    runs = []
+    for name in ("a", "b"):
+        out = subprocess.run(
+            [sys.executable, "-m", "prime_rl.cli", "configs/wiki-search.toml", "--dry-run", "--output-dir", str(tmp_path / name)],
+            cwd=REPO, capture_output=True, text=True, timeout=120,
+        )
+        assert out.returncode == 0, out.stderr
+        configs = tmp_path / name / "configs"
+        inference = json.loads((configs / "inference-0.json").read_text())
+        orchestrator = json.loads((configs / "orchestrator.json").read_text())
+        assert inference["api_key"] and orchestrator["client"]["api_key"] == inference["api_key"]
+        assert inference["api_key"] not in out.stdout + out.stderr
+        assert stat.S_IMODE((configs / "inference-0.json").stat().st_mode) == 0o600
+        runs.append(inference["api_key"])
+    assert runs[0] != runs[1], "drawn per launch"

@@ -18,6 +18,7 @@ This module plans and writes each process's config; ``prime_rl.launcher`` runs t
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import subprocess
 import sys
@@ -270,6 +271,30 @@ def process_specs(
     if placement.teacher is not None and node == 0:
         specs.append(teacher_spec(config, run_dir, placement.teacher, python))
     return specs
+
+
+# --------------------------------------------------------------------------- the servers' key
+
+
+def with_server_key(config: RLConfig) -> RLConfig:
+    """``config`` with a key drawn for the vLLM servers the run starts itself, when it names
+    none (a copy; as is when it has one). vLLM's admin routes (`/pause`, `/collective_rpc`
+    loading another folder, `/server_info`) answer whoever reaches the port, on loopback any
+    local user; with a key every route requires it (``inference.auth``) and the orchestrator
+    sends it only to a server that proved it holds it (``prime_rl.keys``). Drawn per launch,
+    like the transport keys; the configs holding it are written 0600 (``write_config``). Not
+    for a run attached to warm servers: it brings their key (``prime_rl.warm``)."""
+    if config.inference.api_key is not None:
+        return config
+    config = config.model_copy(deep=True)
+    key = secrets.token_urlsafe(32)
+    config.inference.api_key = key
+    if config.orchestrator.client.api_key is None:
+        config.orchestrator.client.api_key = key
+    teacher = config.orchestrator.teacher
+    if teacher is not None and config.teacher is not None and config.teacher.model is not None and teacher.client.api_key is None:
+        teacher.client.api_key = key  # the local teacher's vLLM runs with the inference section's key
+    return config
 
 
 # --------------------------------------------------------------------------- transport keys and size

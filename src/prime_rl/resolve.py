@@ -22,6 +22,7 @@ Imports neither torch nor vLLM: it runs before any process starts.
 from __future__ import annotations
 
 import json
+import secrets
 import socket
 from pathlib import Path
 
@@ -94,6 +95,8 @@ def resolve_eval_target(config: EvalRunConfig | GepaRunConfig) -> EvalTarget:
     elif problems := port_problems([Binding(inference.host, inference.port, "inference.port")]):
         raise ConfigError(problems[0])
     config.client.base_url = f"http://{inference.host}:{inference.port}"
+    if inference.api_key is None:  # our own server: every route needs a key (prime_rl.deployment.with_server_key)
+        inference.api_key = secrets.token_urlsafe(32)
     config.client.api_key = inference.api_key
     for entry in config.eval if isinstance(config, EvalRunConfig) else config.env:
         if problem := tool_parser_problem(entry.id, declares_tools(entry.id), inference.tool_call_parser, PASS_PARSER):

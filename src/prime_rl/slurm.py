@@ -19,7 +19,6 @@ The run directory must be on a filesystem every node shares.
 from __future__ import annotations
 
 import os
-import secrets
 import shlex
 import socket
 import subprocess
@@ -28,7 +27,7 @@ from pathlib import Path
 
 from prime_rl.config import RLConfig, SlurmConfig
 from prime_rl.deployment import (
-    Placement, count_gpus, describe, plan_multi_node, plan_single_node, process_specs, resolve_transport,
+    Placement, count_gpus, describe, plan_multi_node, plan_single_node, process_specs, resolve_transport, with_server_key,
 )
 from prime_rl.launcher import run, tmux_available, tmux_session_name
 from prime_rl.rundir import write_json_atomic
@@ -60,10 +59,9 @@ def prepare(config: RLConfig, run_dir: Path, tmux: bool = True) -> tuple[Path, P
     """Write RUN/slurm/rl.json (resolved config with the run's keys, readable by the user only) and job.sbatch."""
     folder = slurm_dir(run_dir)
     folder.mkdir(parents=True, exist_ok=True)
-    if config.slurm.multi_node and config.inference.api_key is None:
-        # vLLM binds beyond loopback: every route, admin ones included, needs a key (inference.auth)
-        config.inference.api_key = secrets.token_urlsafe(24)
-        config.orchestrator.client.api_key = config.inference.api_key
+    # Every route of the job's vLLM servers, admin ones included, needs a key (inference.auth):
+    # beyond loopback on several nodes, and any user of a shared node reaches loopback.
+    config = with_server_key(config)
     # Transport keys drawn once, here: every node resolves its own processes from rl.json.
     config = resolve_transport(config)
     resolved = folder / "rl.json"

@@ -26,7 +26,8 @@ class InferenceConfig(StrictModel):
     """Port the server binds."""
 
     api_key: str | None = None
-    """Require this bearer key on every request."""
+    """Require this bearer key on every request (unset: a run draws one for the servers it
+    starts, `prime-rl inference` one for its warm servers)."""
 
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"
     """Weights dtype in vLLM; keep it equal to the trainer's."""
