@@ -14,7 +14,7 @@ temporaries. The process runs with ``MALLOC_MMAP_THRESHOLD_=65536``, so every te
 64 KiB is its own mapping, returned to the system when freed: the resident set then
 follows the live tensors instead of glibc's heap high-water mark.
 
-Estimated: ``prime_rl.memory.trainer_memory`` for the same shape, tokens and setting, its
+Estimated: ``prime_rl.launch.memory.trainer_memory`` for the same shape, tokens and setting, its
 step part (gradients + activations + transients), which `--dry-run` adds to the weights and
 optimizer state it prints. Per point: measured and estimated MiB and bytes per token, and
 their ratio (issue 33 asks for 0.75-1.25). ``--quick`` runs the smallest size only (what
@@ -122,7 +122,7 @@ def run_one(spec: dict) -> dict:
 
 def estimate(size: dict, seq_len: int, checkpointing: bool, dtype: str = "float32") -> float:
     """The estimate's step part (MiB) for one measured point."""
-    from prime_rl.memory import ModelShape, TrainerSetting, trainer_memory
+    from prime_rl.launch.memory import ModelShape, TrainerSetting, trainer_memory
 
     shape = ModelShape.from_config({**size, "tie_word_embeddings": False})
     setting = TrainerSetting(ranks=1, compute_dtype=dtype, micro_batch_tokens=seq_len, checkpointing=checkpointing,
@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
 def markdown(rows: list[dict]) -> list[str]:
     """The RESULTS.md section: one line per measured point."""
     lines = ["Peak memory of one trainer step above the loaded weights and AdamW state, measured on CPU (peak resident "
-             "set, `benchmarks/memory.py`), against the estimate `--dry-run` prints (`prime_rl.memory`); micro-batches "
+             "set, `benchmarks/memory.py`), against the estimate `--dry-run` prints (`prime_rl.launch.memory`); micro-batches "
              "of 4 samples filling the sequence length.", "",
              "| model | params | compute | tokens | checkpointing | measured MiB | bytes/token | estimate MiB | estimate/measured |",
              "|---|---|---|---|---|---|---|---|---|"]

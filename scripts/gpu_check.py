@@ -6,7 +6,7 @@
     python scripts/gpu_check.py --summary             print the report in --out; exit 1 if a check failed
 
 A Qwen3-4B-architecture model (``configs/wiki-search.toml``'s, shape from
-``prime_rl.memory.KNOWN_SHAPES``) is built with random weights on the GPU (no download) and
+``prime_rl.launch.memory.KNOWN_SHAPES``) is built with random weights on the GPU (no download) and
 made ready by the trainer's own code (``trainer.model.prepare_model``): float32 masters, FSDP2
 mixed precision with bf16 compute, activation checkpointing, the ``TokenHead``. Steps are the
 trainer's own ``trainer.rl.train_step`` on packed micro-batches of ``--micro-batch-tokens``
@@ -23,7 +23,7 @@ failed / skipped with its figures:
 - ``weights_move``: at ``--lr`` (1e-6, the config's) the float32 masters of a decoder layer
   changed nearly everywhere (bf16 weights would not move: issue 33);
 - ``memory_estimate``: the measured peak against the estimate `--dry-run` prints
-  (``prime_rl.memory``), within 25%;
+  (``prime_rl.launch.memory``), within 25%;
 - ``no_checkpointing``: one step without activation checkpointing at the same micro-batches:
   its peak against the estimate (an out-of-memory is reported, not fatal);
 - ``weights_save``: ``trainer.weights.save_weights`` of the bf16 weights for vLLM (gather,
@@ -58,7 +58,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from prime_rl.config import LossConfig, ModelConfig, OptimConfig, TrainerConfig  # noqa: E402
-from prime_rl.memory import KNOWN_SHAPES, ModelShape, TrainerSetting, trainer_memory  # noqa: E402
+from prime_rl.launch.memory import KNOWN_SHAPES, ModelShape, TrainerSetting, trainer_memory  # noqa: E402
 from prime_rl.rundir import write_json_atomic  # noqa: E402
 from prime_rl.wire import SCHEMA_VERSION, MicroBatch, TrainBatch, make_sample  # noqa: E402
 from trainer.head import HeadQuery  # noqa: E402

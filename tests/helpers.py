@@ -14,7 +14,7 @@ import uuid
 from contextlib import contextmanager
 from pathlib import Path
 
-from prime_rl.launcher import tail
+from prime_rl.launch.launcher import tail
 from prime_rl.rundir import (
     MARKER, append_jsonl, checkpoint_step_dir, log_path, metrics_path, rollouts_step_dir, weights_dir, weights_step_dir,
 )

@@ -12,7 +12,7 @@ import pytest
 from helpers import REPO
 from prime_rl.config import KNOWN_ENVIRONMENTS, EvalRunConfig, GepaRunConfig, RLConfig, SFTConfig
 from prime_rl.endpoints import load_endpoints
-from prime_rl.resolve import resolve
+from prime_rl.launch.resolve import resolve
 from prime_rl.settings import ConfigError, load_config, parse_flags
 
 ISSUE_BLOCK = """model = "Qwen/Qwen3-30B-A3B-Instruct-2507"

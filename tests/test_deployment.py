@@ -11,8 +11,8 @@ import pytest
 
 from helpers import REPO
 from prime_rl.config import RLConfig
-from prime_rl.deployment import PlacementError, plan_single_node, process_specs, replica_inference, teacher_server
-from prime_rl.resolve import resolve
+from prime_rl.launch.deployment import PlacementError, plan_single_node, process_specs, replica_inference, teacher_server
+from prime_rl.launch.resolve import resolve
 from prime_rl.settings import ConfigError, load_config
 from prime_rl.vllm_command import shell_line, vllm_command, vllm_env
 

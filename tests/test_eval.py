@@ -229,7 +229,7 @@ def test_launcher_terminal_process_writes_to_the_terminal_and_passes_its_exit_co
     driver = "\n".join([
         "import sys",
         "from pathlib import Path",
-        "from prime_rl.launcher import ProcessSpec, run",
+        "from prime_rl.launch.launcher import ProcessSpec, run",
         "specs = [ProcessSpec('server', [sys.executable, '-c', 'import time; time.sleep(600)'], required=False),",
         "         ProcessSpec('eval', [sys.executable, '-c', 'print(\"table row\"); raise SystemExit(2)'], terminal=True)]",
         f"sys.exit(run(Path({str(tmp_path)!r}), specs, use_tmux=False, session_name='', exit_code_from='eval'))",

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from helpers import new_tag, tagged_processes
-from prime_rl import launcher
-from prime_rl.launcher import ProcessSpec, TmuxView, tmux_session_name
+from prime_rl.launch import launcher
+from prime_rl.launch.launcher import ProcessSpec, TmuxView, tmux_session_name
 from prime_rl.rundir import log_path
-from prime_rl.status import StatusOptions
+from prime_rl.observe.status import StatusOptions
 
 # A parent that starts a grandchild in its own process group, like vLLM's API server.
 SERVE_FOREVER = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); print('serving', flush=True); time.sleep(600)"
@@ -25,7 +25,7 @@ def driver(run_dir, specs: str) -> str:
     return "\n".join([
         "import sys",
         "from pathlib import Path",
-        "from prime_rl.launcher import ProcessSpec, run",
+        "from prime_rl.launch.launcher import ProcessSpec, run",
         f"specs = {' '.join(specs.split())}",
         f"sys.exit(run(Path({str(run_dir)!r}), specs, use_tmux=False, session_name='unused'))",
     ])
@@ -189,7 +189,7 @@ def pane_commands(run_dir: Path) -> list[tuple[str, list[str]]]:
     status = StatusOptions(max_steps=5, every_steps=0, interval_s=2.0)
     return [
         (TmuxView._follow(log), ["tail", "-n", "+1", "-F", f"--pid={os.getpid()}", "--", str(log)]),
-        (status.pane_command(run_dir, 4321), [sys.executable, "-m", "prime_rl.status", "--follow", "--pid", "4321",
+        (status.pane_command(run_dir, 4321), [sys.executable, "-m", "prime_rl.observe.status", "--follow", "--pid", "4321",
                                               "--interval", "2", "--max-steps", "5", "--", str(run_dir)]),
     ]
 
@@ -241,7 +241,7 @@ def test_the_slurm_job_script_never_runs_a_run_directory_name(tmp_path, name):
     `#SBATCH` lines, where no quoting helps: a line break there is refused in one line."""
     from prime_rl.config import RLConfig
     from prime_rl.settings import ConfigError
-    from prime_rl.slurm import render, session_name
+    from prime_rl.launch.slurm import render, session_name
 
     run_dir = tmp_path / name
     config = RLConfig.model_validate({"model": "Qwen/Qwen3-0.6B", "batch_size": 64, "slurm": {"gpus_per_node": 8}})

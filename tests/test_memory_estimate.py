@@ -1,4 +1,4 @@
-"""The memory estimate `--dry-run` prints (``prime_rl.memory``), against measured CPU training steps.
+"""The memory estimate `--dry-run` prints (``prime_rl.launch.memory``), against measured CPU training steps.
 
 - the committed table of ``python -m benchmarks.memory --write`` (three model sizes, two
   sequence lengths, with and without activation checkpointing, float32 and bf16 compute):
@@ -17,10 +17,10 @@ from helpers import REPO
 
 from benchmarks import memory as bench
 from prime_rl.config import RLConfig
-from prime_rl.memory import (
+from prime_rl.launch.memory import (
     GIB, KNOWN_SHAPES, ModelShape, estimate_run, lora_params, model_shape, trainer_memory, trainer_setting, vllm_memory,
 )
-from prime_rl.resolve import resolve
+from prime_rl.launch.resolve import resolve
 from prime_rl.settings import ConfigError, load_config
 
 WIKI_SEARCH = REPO / "configs" / "wiki-search.toml"

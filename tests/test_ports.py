@@ -10,8 +10,9 @@ import pytest
 from helpers import free_port, free_port_pair
 from prime_rl.cli import main, resolve_eval_target
 from prime_rl.config import RLConfig
-from prime_rl.deployment import plan_single_node
-from prime_rl.ports import Binding, port_problems, rl_bindings
+from prime_rl.launch.deployment import plan_single_node
+from prime_rl.launch.deployment import rl_bindings
+from prime_rl.launch.ports import Binding, port_problems
 from prime_rl.settings import ConfigError
 
 HOLD = "\n".join([

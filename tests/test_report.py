@@ -11,7 +11,7 @@ import pytest
 from PIL import Image
 
 from prime_rl.commands.report import main
-from prime_rl.report import write_report
+from prime_rl.observe.report import write_report
 from prime_rl.rundir import append_jsonl, metrics_path
 from prime_rl.settings import ConfigError
 

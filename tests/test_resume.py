@@ -6,7 +6,7 @@ import pytest
 
 from helpers import crashed_run
 from prime_rl.cli import main
-from prime_rl.resume import ResumeRefused, check_resumable, rewind
+from prime_rl.launch.resume import ResumeRefused, check_resumable, rewind
 from prime_rl.rundir import (
     MARKER,
     checkpoint_step_dir,

@@ -12,7 +12,7 @@ import time
 import httpx
 
 from helpers import REPO, free_port, free_port_pair, new_tag, tagged_processes, trio_toml
-from prime_rl.launcher import tail
+from prime_rl.launch.launcher import tail
 from prime_rl.rundir import MARKER, checkpoint_step_dir, config_path, log_path, metrics_path, read_jsonl, weights_step_dir
 from orchestrator.progress import load_record, repacked_frames
 from trainer_helpers import run_trainer_process

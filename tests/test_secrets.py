@@ -216,7 +216,7 @@ def test_the_gepa_metadata_is_redacted_and_private(tmp_path):
 
 
 def test_a_config_holding_env_args_with_a_secret_is_private(tmp_path):
-    from prime_rl.deployment import write_config
+    from prime_rl.launch.deployment import write_config
 
     holding = write_config(tmp_path, "orchestrator", {"env": [{"id": "x", "args": {"sessionCookie": "s3cr3t-c"}}]})
     plain = write_config(tmp_path, "trainer", {"env": [{"id": "x", "args": HARMLESS}]})
@@ -225,7 +225,7 @@ def test_a_config_holding_env_args_with_a_secret_is_private(tmp_path):
 
 def test_process_logs_and_the_search_log_are_private_even_when_left_by_an_earlier_run(tmp_path):
     from orchestrator.gepa import SearchLog
-    from prime_rl.launcher import Launcher, ProcessSpec
+    from prime_rl.launch.launcher import Launcher, ProcessSpec
     from prime_rl.rundir import log_path
 
     old = log_path(tmp_path, "orchestrator")

@@ -14,10 +14,10 @@ import pytest
 
 from helpers import REPO, new_tag, tagged_processes, trio_toml
 from prime_rl.config import RLConfig
-from prime_rl.deployment import plan_multi_node, process_specs
-from prime_rl.launcher import tail
+from prime_rl.launch.deployment import plan_multi_node, process_specs
+from prime_rl.launch.launcher import tail
 from prime_rl.rundir import MARKER, log_path, metrics_path, read_jsonl, weights_step_dir
-from prime_rl.slurm import ADDRS_VAR, HOSTS_VAR, node_placement, prepare, render
+from prime_rl.launch.slurm import ADDRS_VAR, HOSTS_VAR, node_placement, prepare, render
 
 FAKE_SCONTROL = """#!/bin/bash
 # `scontrol show hostnames LIST` and `scontrol show node NAME` of a 4-node cluster a1..a4

@@ -1,4 +1,4 @@
-"""The run's status from RUN/metrics.jsonl (``prime_rl.status``): reading a file being
+"""The run's status from RUN/metrics.jsonl (``prime_rl.observe.status``): reading a file being
 written, the summary and its text, the headless printer, and the launcher's `status` pane
 and event rows with stand-in processes."""
 
@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 
 from helpers import REPO, new_tag, tagged_processes
-from prime_rl.resume import ResumeRefused, drop_metrics_from
+from prime_rl.launch.resume import ResumeRefused, drop_metrics_from
 from prime_rl.rundir import append_jsonl, metrics_path
-from prime_rl import status as status_module
-from prime_rl.launcher import ProcessSpec
-from prime_rl.launcher import run as launcher_run
-from prime_rl.status import (
+from prime_rl.observe import status as status_module
+from prime_rl.launch.launcher import ProcessSpec
+from prime_rl.launch.launcher import run as launcher_run
+from prime_rl.observe.status import (
     Metrics, MetricsFollower, StatusOptions, StatusPrinter, main, read_metrics, render, sparkline, summarize,
 )
 
@@ -169,8 +169,8 @@ def test_the_tmux_session_gains_a_status_pane_that_ends_with_the_run(tmp_path):
     script = "\n".join([
         "import sys",
         "from pathlib import Path",
-        "from prime_rl.launcher import ProcessSpec, run",
-        "from prime_rl.status import StatusOptions",
+        "from prime_rl.launch.launcher import ProcessSpec, run",
+        "from prime_rl.observe.status import StatusOptions",
         f"specs = [ProcessSpec('trainer', [sys.executable, '-c', {stand_in_trainer(run_dir, release)!r}])]",
         f"sys.exit(run(Path({str(run_dir)!r}), specs, use_tmux=True, session_name='s',"
         " status=StatusOptions(max_steps=3, every_steps=1, interval_s=0.2)))",

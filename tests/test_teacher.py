@@ -8,11 +8,11 @@ import asyncio
 import numpy as np
 import pytest
 from prime_rl.config import RLConfig
-from prime_rl.deployment import PlacementError, plan_single_node, process_specs
+from prime_rl.launch.deployment import PlacementError, plan_single_node, process_specs
 from prime_rl.envs import Rollout, Turn
-from prime_rl.ports import rl_bindings
+from prime_rl.launch.deployment import rl_bindings
 from prime_rl.settings import ConfigError
-from prime_rl.teacher import resolve_teacher
+from prime_rl.launch.teacher import resolve_teacher
 from pydantic import ValidationError
 
 from orchestrator.batch import ScoredRollout, pack_batches
@@ -66,8 +66,8 @@ def test_a_local_teacher_is_served_on_its_own_port_and_gpus(tmp_path):
 
 
 def test_top_k_reaches_the_orchestrator_the_teachers_server_and_the_frame_cap(tmp_path):
-    from prime_rl.deployment import resolve_transport
-    from prime_rl.teacher import teacher_inference
+    from prime_rl.launch.deployment import resolve_transport
+    from prime_rl.launch.teacher import teacher_inference
 
     plain = rl(teacher={"model": "t"}, seq_len=2048)
     cfg = rl(teacher={"model": "t"}, seq_len=2048, trainer={"loss": {"distill": {"reward_weight": 0.5, "top_k": 64}}})

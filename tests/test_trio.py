@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from helpers import REPO, finish, free_port, kill_mid_run, mask_spans, new_tag, resume, start_launcher, tagged_processes, trio_toml
-from prime_rl.launcher import tail
+from prime_rl.launch.launcher import tail
 from orchestrator.data import ExampleOrder
 from orchestrator.envs import load_env
 from orchestrator.progress import load_record

@@ -26,12 +26,12 @@ import pytest
 
 import prime_rl.cli
 from helpers import REPO, free_port, free_port_pair, new_tag, tagged_processes, trio_toml
-from prime_rl import warm
+from prime_rl.launch import warm
 from prime_rl.cli import main
 from prime_rl.config import RLConfig
-from prime_rl.deployment import Replica
+from prime_rl.launch.deployment import Replica
 from prime_rl.keys import identity_proof, nonce_bytes
-from prime_rl.launcher import tail
+from prime_rl.launch.launcher import tail
 from prime_rl.rundir import config_path, log_path, metrics_path, read_jsonl
 from prime_rl.settings import ConfigError, load_config
 

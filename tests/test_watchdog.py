@@ -13,7 +13,7 @@ from helpers import new_tag, tagged_processes
 
 from prime_rl.config import RLConfig, WatchdogConfig
 from prime_rl.heartbeat import Beat, Heartbeat, heartbeat_path, read_heartbeat, read_heartbeats
-from prime_rl.launcher import judge
+from prime_rl.launch.launcher import judge
 from prime_rl.settings import ConfigError, load_config
 
 # --------------------------------------------------------------------------- the heartbeat file
@@ -180,7 +180,7 @@ def test_launcher_reports_then_stops_a_stalled_run(tmp_path):
         "import sys",
         "from pathlib import Path",
         "from prime_rl.config import WatchdogConfig",
-        "from prime_rl.launcher import ProcessSpec, run",
+        "from prime_rl.launch.launcher import ProcessSpec, run",
         "specs = [",
         f"    ProcessSpec('inference', [sys.executable, '-c', {hang!r}], required=False),",
         f"    ProcessSpec('orchestrator', [sys.executable, '-c', {waiter(tmp_path, 'orchestrator', 'weights step 1')!r}]),",

@@ -26,13 +26,13 @@ from collections.abc import Callable
 from prime_rl.commands import evaluate
 from prime_rl.commands import export, gepa, inference, report, rl, sft
 from prime_rl.commands.evaluate import load_eval_config  # noqa: F401 - the eval command's config, for tests and scripts
-from prime_rl.resolve import resolve_eval_target  # noqa: F401 - likewise
+from prime_rl.launch.resolve import resolve_eval_target  # noqa: F401 - likewise
 from prime_rl.settings import ConfigError
 
 
 def slurm_node(argv: list[str]) -> int:
     """`prime-rl slurm-node RUN/slurm/rl.json`: one node of a SLURM job (the job script runs it)."""
-    from prime_rl.slurm import node_main
+    from prime_rl.launch.slurm import node_main
 
     return node_main(argv)
 

@@ -1,7 +1,7 @@
 """How a vLLM server is started: its command line and environment, rendered from its
 `[inference]` section.
 
-The launcher decides how vLLM starts, as ``prime_rl.deployment`` renders torchrun's command
+The launcher decides how vLLM starts, as ``prime_rl.launch.deployment`` renders torchrun's command
 for the trainer: `inference.server` execs exactly what ``vllm_command`` and ``vllm_env``
 return, and `prime-rl CONFIG --dry-run` prints the same (``shell_line``), so what a run
 would start is visible before it starts. What RL needs from each flag is in

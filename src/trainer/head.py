@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from prime_rl.memory import HEAD_CHUNK_ELEMENTS  # the estimate counts the head's chunks of this many logits
+from prime_rl.config.trainer import HEAD_CHUNK_ELEMENTS  # the estimate counts the head's chunks of this many logits
 from trainer.loss import entropy_from_logits, selective_log_softmax, top_k_reverse_kl
 
 

@@ -16,8 +16,8 @@ from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 
 from prime_rl.config import EvalRunConfig, GepaRunConfig, RLConfig, check_env_args
-from prime_rl.deployment import QUIET, Placement, PlacementError, plan_single_node, write_config
-from prime_rl.launcher import ProcessSpec
+from prime_rl.launch.deployment import QUIET, Placement, PlacementError, plan_single_node, write_config
+from prime_rl.launch.launcher import ProcessSpec
 from prime_rl.rundir import config_path, output_dir_problem
 from prime_rl.settings import ConfigError, deep_merge, format_validation_error, help_text, parse_flags, read_config_file
 

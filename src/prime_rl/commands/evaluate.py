@@ -6,8 +6,8 @@ from pathlib import Path
 
 from prime_rl.commands.common import load_run_config, new_run_dir, print_options_help, served_process_specs
 from prime_rl.config import EvalRunConfig
-from prime_rl.launcher import ProcessSpec, run
-from prime_rl.resolve import resolve_eval_target
+from prime_rl.launch.launcher import ProcessSpec, run
+from prime_rl.launch.resolve import resolve_eval_target
 
 EVAL_OPTIONS: dict[str, str] = {
     # option -> the setting it sets (its help is that field's documentation and default);

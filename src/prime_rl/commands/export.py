@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from prime_rl.resolve import checked_model_path
+from prime_rl.launch.resolve import checked_model_path
 from prime_rl.rundir import complete_steps, weights_dir, weights_step_dir
 from prime_rl.settings import ConfigError
 

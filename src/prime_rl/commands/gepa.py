@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from prime_rl.commands.common import load_run_config, new_run_dir, print_options_help, served_process_specs
 from prime_rl.config import GepaRunConfig
-from prime_rl.launcher import run
-from prime_rl.resolve import resolve_eval_target, resolve_reflection_target
+from prime_rl.launch.launcher import run
+from prime_rl.launch.resolve import resolve_eval_target, resolve_reflection_target
 
 GEPA_OPTIONS: dict[str, str] = {
     # option -> the setting it sets (its help is that field's documentation and default);

@@ -1,5 +1,5 @@
 """`prime-rl inference CONFIG.toml`: the RL config's vLLM servers alone, kept warm for runs of
-that config to attach to (``prime_rl.warm``). A warm server always requires a key, on every
+that config to attach to (``prime_rl.launch.warm``). A warm server always requires a key, on every
 route: without `inference.api_key` it draws one (readable by this user only, for the runs it
 attaches), and beyond loopback it refuses to start without one."""
 
@@ -10,13 +10,13 @@ import os
 import secrets
 from pathlib import Path
 
-from prime_rl import warm
+from prime_rl.launch import warm
 from prime_rl.commands.common import make_dir, planned, print_help, take_resume_step
 from prime_rl.config import RLConfig
-from prime_rl.deployment import count_gpus, describe, replica_specs
-from prime_rl.launcher import run, tmux_available
-from prime_rl.ports import inference_bindings, port_problems
-from prime_rl.resolve import checked_model_path, resolve
+from prime_rl.launch.deployment import count_gpus, describe, inference_bindings, replica_specs
+from prime_rl.launch.launcher import run, tmux_available
+from prime_rl.launch.ports import port_problems
+from prime_rl.launch.resolve import checked_model_path, resolve
 from prime_rl.rundir import logs_dir
 from prime_rl.settings import ConfigError, load_config, split_argv
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from prime_rl.report import write_report
+from prime_rl.observe.report import write_report
 
 
 def main(argv: list[str]) -> int:

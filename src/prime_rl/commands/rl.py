@@ -10,18 +10,19 @@ from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
-from prime_rl import warm
+from prime_rl.launch import warm
 from prime_rl.commands.common import RL_OUTPUT_DIR, checked_output_dir, make_dir, planned, print_help, take_resume_step
 from prime_rl.config import RLConfig
-from prime_rl.deployment import (
-    Placement, count_gpus, describe, gpu_memory_bytes, plan_single_node, process_specs, with_server_key,
+from prime_rl.launch.deployment import (
+    Placement, count_gpus, describe, gpu_memory_bytes, plan_single_node, process_specs, rl_bindings,
+    with_server_key,
 )
-from prime_rl.launcher import run, tmux_available
-from prime_rl.memory import estimate_run
+from prime_rl.launch.launcher import run, tmux_available
+from prime_rl.launch.memory import estimate_run
 from prime_rl.vllm_command import on_cpu
-from prime_rl.ports import port_problems, rl_bindings
-from prime_rl.resolve import checked_model_path, resolve
-from prime_rl.resume import ResumeRefused, check_resumable, choose_resume_step, rewind
+from prime_rl.launch.ports import port_problems
+from prime_rl.launch.resolve import checked_model_path, resolve
+from prime_rl.launch.resume import ResumeRefused, check_resumable, choose_resume_step, rewind
 from prime_rl.rundir import (
     RUN_MARKER,
     checkpoints_dir,
@@ -37,7 +38,7 @@ from prime_rl.rundir import (
     write_run_marker,
 )
 from prime_rl.settings import ConfigError, load_config, split_argv
-from prime_rl.status import StatusOptions
+from prime_rl.observe.status import StatusOptions
 
 LAUNCHER_FLAGS = {
     "--no-tmux": "run headless: one log file per process under RUN/logs/ (default when tmux is missing)",
@@ -116,7 +117,7 @@ def main(argv: list[str]) -> int:
 
 def attached_servers(config: RLConfig, placement: Placement, run_dir: Path, resume_step: int | None) -> list[warm.ServerState]:
     """The warm servers (`prime-rl inference`) the run attaches to, the orchestrator pointed at
-    them; [] = the run starts its own (``prime_rl.warm`` says when and what is refused)."""
+    them; [] = the run starts its own (``prime_rl.launch.warm`` says when and what is refused)."""
     found = warm.find_servers(placement.replicas)
     if not warm.attach_decision(config.inference.attach, found, config.inference.host):
         return []
@@ -132,7 +133,7 @@ def attached_servers(config: RLConfig, placement: Placement, run_dir: Path, resu
 def submit_slurm(config: RLConfig, run_dir: Path, dry_run: bool, tmux: bool, start: Callable[[], None]) -> int:
     """Render the job script into RUN/slurm/ and submit it (print it with --dry-run); ``start``
     prepares the run directory just before the submission."""
-    from prime_rl import slurm
+    from prime_rl.launch import slurm
 
     if config.slurm is None:
         raise ConfigError("--slurm: the config has no [slurm] section (nodes, gpus_per_node, partition, ...)")
@@ -184,7 +185,7 @@ def check_engine_build(gpus: int, dry_run: bool) -> None:
 
 
 def checked_memory(config: RLConfig, placement: Placement, gpus: int) -> list[str]:
-    """The memory estimate of a trainer rank and a vLLM replica (``prime_rl.memory``), as lines
+    """The memory estimate of a trainer rank and a vLLM replica (``prime_rl.launch.memory``), as lines
     for the dry run; a run whose processes cannot fit this machine's GPUs is refused, one line
     per process. Without GPUs here a GPU split is estimated for 80 and 141 GB GPUs."""
     d = config.deployment

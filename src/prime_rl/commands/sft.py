@@ -9,7 +9,7 @@ import sys
 from prime_rl.commands.common import OUTPUT_DIR, checked_output_dir, make_dir, print_help
 from prime_rl.config import SFTConfig
 from prime_rl.keys import holds_secret
-from prime_rl.resolve import checked_model_path
+from prime_rl.launch.resolve import checked_model_path
 from prime_rl.rundir import write_json_atomic
 from prime_rl.settings import ConfigError, load_config, split_argv
 

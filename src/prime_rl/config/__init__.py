@@ -12,7 +12,7 @@ This module never imports torch or vLLM: the launcher validates configs before a
 process starts.
 
 The schemas live in modules by owner (``shared``, ``trainer``, ``orchestrator``,
-``inference``, ``commands``); import them from here."""
+``inference``, ``launcher``, ``eval``); import them from here."""
 
 from prime_rl.config.shared import (  # noqa: F401
     CURVE_KEY_FIELDS,
@@ -58,18 +58,14 @@ from prime_rl.config.orchestrator import (  # noqa: F401
 from prime_rl.config.inference import (  # noqa: F401
     InferenceConfig,
 )
-from prime_rl.config.commands import (  # noqa: F401
-    DeploymentConfig,
-    EvalEnvConfig,
-    EvalRunConfig,
-    EvalSamplingConfig,
-    EvalTarget,
-    GepaConfig,
-    GepaRunConfig,
-    LORA_ADAPTER_NAME,
-    RLConfig,
+from prime_rl.config.trainer import (  # noqa: F401
     SFTConfig,
     SFTDataConfig,
+)
+from prime_rl.config.launcher import (  # noqa: F401
+    DeploymentConfig,
+    LORA_ADAPTER_NAME,
+    RLConfig,
     SHARED_FIELDS,
     SlurmConfig,
     StatusConfig,
@@ -77,4 +73,12 @@ from prime_rl.config.commands import (  # noqa: F401
     WatchdogConfig,
     _normalized,
     propagate_shared,
+)
+from prime_rl.config.eval import (  # noqa: F401
+    EvalEnvConfig,
+    EvalRunConfig,
+    EvalSamplingConfig,
+    EvalTarget,
+    GepaConfig,
+    GepaRunConfig,
 )

@@ -299,10 +299,10 @@ class TransportConfig(StrictModel):
     """Longest wait for the first batch: it covers inference start-up (see `orchestrator.client.startup_timeout_s`)."""
 
     max_message_bytes: int | None = Field(None, ge=2**16)
-    """Largest frame the trainer takes (ZeroMQ `MAXMSGSIZE`: a bigger one drops the connection before it is buffered) and the orchestrator sends (a bigger batch fails the step, naming this setting). None = filled by the launcher from the run's batch (`prime_rl.deployment`), 64 MiB in a process started without it."""
+    """Largest frame the trainer takes (ZeroMQ `MAXMSGSIZE`: a bigger one drops the connection before it is buffered) and the orchestrator sends (a bigger batch fails the step, naming this setting). None = filled by the launcher from the run's batch (`prime_rl.launch.deployment`), 64 MiB in a process started without it."""
 
     curve_server_secret: str | None = Field(None, repr=False)
-    """Orchestrator: the CURVE secret key (Z85) of its PUSH sockets. Generated per run by the launcher (`prime_rl.deployment`), with the three below; never set by hand. None with the others = no encryption nor authentication, allowed on loopback only."""
+    """Orchestrator: the CURVE secret key (Z85) of its PUSH sockets. Generated per run by the launcher (`prime_rl.launch.deployment`), with the three below; never set by hand. None with the others = no encryption nor authentication, allowed on loopback only."""
 
     curve_client_public: str | None = None
     """Orchestrator: the trainer's CURVE public key (Z85), the only client its sockets admit."""

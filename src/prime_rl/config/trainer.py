@@ -1,4 +1,5 @@
-"""The trainer's section (`[trainer]`): optimizer, loss (and distillation), LoRA, weights.
+"""The trainer's configs: its section of an RL run (`[trainer]`: optimizer, loss and distillation, LoRA, weights) and
+`prime-rl sft CONFIG.toml`, the supervised warm-up it runs alone.
 
 Never imports torch or vLLM (the launcher validates configs before any process starts)."""
 
@@ -11,6 +12,12 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from prime_rl.config.shared import CheckpointConfig, MAX_TEACHER_TOP_K, ModelConfig, StrictModel, TransportConfig, WandbConfig
+
+
+HEAD_CHUNK_ELEMENTS = 2**26
+"""Logits ``trainer.head`` computes at once: [C, V] with C = this // V positions (float32: 256 MB).
+A constant of the contracts, not a setting, so the head and the launcher's memory estimate
+(``prime_rl.launch.memory``), which imports no torch, share one number."""
 
 
 class OptimConfig(StrictModel):
@@ -190,3 +197,53 @@ class TrainerConfig(StrictModel):
 
     wandb: WandbConfig | None = None
     """W&B logging; off when absent."""
+
+
+class SFTDataConfig(StrictModel):
+    path: Path = Path("data/sft.jsonl")
+    """JSONL file, one `{"messages": [...]}` chat per line; loss on assistant tokens only."""
+
+    batch_size: int = Field(32, ge=1)
+    """Chats per optimizer step."""
+
+    micro_batch_size: int = Field(32, ge=1)
+    """Chats per forward/backward pass."""
+
+
+class SFTConfig(StrictModel):
+    """`prime-rl sft CONFIG.toml`: supervised fine-tuning, used as the warm-up before RL."""
+
+    model: ModelConfig = ModelConfig()
+    """Model to fine-tune."""
+
+    data: SFTDataConfig = SFTDataConfig()
+    """Training data."""
+
+    optim: OptimConfig = OptimConfig(lr=1e-3)
+    """Optimizer settings."""
+
+    max_steps: int = Field(200, ge=1)
+    """Optimizer steps."""
+
+    seq_len: int = Field(512, ge=8)
+    """Chats longer than this are truncated."""
+
+    output_dir: Path = Path("outputs/sft")
+    """Where the fine-tuned model (HF format) is written; RL starts from it."""
+
+    seed: int = 0
+    """Random seed."""
+
+    num_threads: int = Field(2, ge=1)
+    """torch intra-op threads."""
+
+    wandb: WandbConfig | None = None
+    """W&B logging; off when absent."""
+
+    @model_validator(mode="after")
+    def _micro_divides(self) -> SFTConfig:
+        if self.data.batch_size % self.data.micro_batch_size:
+            raise ValueError(
+                f"data.batch_size ({self.data.batch_size}) must be divisible by data.micro_batch_size ({self.data.micro_batch_size})"
+            )
+        return self

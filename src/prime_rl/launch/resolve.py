@@ -2,7 +2,7 @@
 
 Validation (``prime_rl.config``) only checks: a config that loads is consistent, and nothing
 in it was rewritten. What is derived rather than written is decided here, once: the commands
-resolve the loaded config before their checks, and ``prime_rl.deployment.process_specs``,
+resolve the loaded config before their checks, and ``prime_rl.launch.deployment.process_specs``,
 which adds the machine's facts (GPUs, replicas, ports, transport keys) and writes each
 process's config file and command, resolves what it is given (resolving twice changes
 nothing):
@@ -11,7 +11,7 @@ nothing):
   trainer ranks from `[deployment]` (or the older `orchestrator.num_trainer_ranks`); the
   orchestrator's client (the replicas' URLs, inference's key), tool-call parser and
   checkpoint schedule (the trainer's); LoRA's served rank and adapter name; the
-  distillation teacher (`orchestrator.teacher` from `[teacher]`, ``prime_rl.teacher``);
+  distillation teacher (`orchestrator.teacher` from `[teacher]`, ``prime_rl.launch.teacher``);
 - ``resolve_eval_target`` / ``resolve_reflection_target``, `prime-rl eval` and `gepa`: the
   model to query, an endpoint of the endpoints file or a local model for a vLLM server of
   the command's own (a free port, a LoRA adapter's base model).
@@ -30,10 +30,10 @@ from prime_rl.config import (
     LORA_ADAPTER_NAME, EvalRunConfig, EvalTarget, GepaRunConfig, RLConfig, check_model_path, vllm_lora_rank,
 )
 from prime_rl.endpoints import Endpoint, load_endpoints
-from prime_rl.ports import Binding, port_problems
+from prime_rl.launch.ports import Binding, port_problems
 from prime_rl.registry import PASS_PARSER, declares_tools, tool_parser_problem
 from prime_rl.settings import ConfigError
-from prime_rl.teacher import resolve_teacher
+from prime_rl.launch.teacher import resolve_teacher
 
 # --------------------------------------------------------------------------- an RL run
 
@@ -95,7 +95,7 @@ def resolve_eval_target(config: EvalRunConfig | GepaRunConfig) -> EvalTarget:
     elif problems := port_problems([Binding(inference.host, inference.port, "inference.port")]):
         raise ConfigError(problems[0])
     config.client.base_url = f"http://{inference.host}:{inference.port}"
-    if inference.api_key is None:  # our own server: every route needs a key (prime_rl.deployment.with_server_key)
+    if inference.api_key is None:  # our own server: every route needs a key (prime_rl.launch.deployment.with_server_key)
         inference.api_key = secrets.token_urlsafe(32)
     config.client.api_key = inference.api_key
     for entry in config.eval if isinstance(config, EvalRunConfig) else config.env:

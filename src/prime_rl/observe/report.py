@@ -1,7 +1,7 @@
 """A run's curves, or several runs' overlaid, as one PNG drawn from `RUN/metrics.jsonl` alone:
 what a finished, crashed or running run did, judged without a dashboard or a notebook.
 
-The rows are read with ``prime_rl.status.read_metrics``, so a half-written last line or a
+The rows are read with ``prime_rl.observe.status.read_metrics``, so a half-written last line or a
 malformed one (not JSON, nested too deeply, a step that is not a whole number) is a note,
 never a traceback, and so is a value no axis can hold (NaN, inf, 10**400). A panel is drawn when at least one run has its
 data; a run without a metric simply has no line there. The PNG's text chunks `panels` and
@@ -20,7 +20,7 @@ from pathlib import Path
 
 from prime_rl.rundir import metrics_path
 from prime_rl.settings import ConfigError
-from prime_rl.status import ORCHESTRATOR_PHASES, TRAINER_PHASES, environments, read_metrics, step_rows
+from prime_rl.observe.status import ORCHESTRATOR_PHASES, TRAINER_PHASES, environments, read_metrics, step_rows
 
 PHASE_WINDOW = 10  # steps of the time-per-phase panel's running mean
 

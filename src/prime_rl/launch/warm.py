@@ -57,9 +57,9 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from prime_rl.config import InferenceConfig, RLConfig, _is_loopback
 from prime_rl.registry import declares_tools
-from prime_rl.deployment import Replica
+from prime_rl.launch.deployment import Replica
 from prime_rl.keys import IDENTITY_PATH, new_nonce, proves_identity
-from prime_rl.ports import try_bind
+from prime_rl.launch.ports import try_bind
 from prime_rl.rundir import weights_step_dir, write_json_atomic
 from prime_rl.settings import ConfigError
 

@@ -2,7 +2,7 @@
 
 A local teacher (`teacher.model`) is a vLLM server of its own, started and stopped with the
 run in its own pane, on `inference.host`:`teacher.port` (its GPUs after the trainer's,
-``prime_rl.deployment``). An endpoint (`teacher.endpoint`) is a server that already runs,
+``prime_rl.launch.deployment``). An endpoint (`teacher.endpoint`) is a server that already runs,
 named in the endpoints file. Either way the orchestrator gets `orchestrator.teacher`: where
 to send scoring requests, the model name, the variable holding the key, and the system
 prompt of context distillation (read here from `system_prompt_file`, so a missing file

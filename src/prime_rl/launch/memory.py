@@ -44,6 +44,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from prime_rl.config.trainer import HEAD_CHUNK_ELEMENTS
+
 if TYPE_CHECKING:  # the arithmetic above a run's estimate needs no config
     from prime_rl.config import RLConfig
 
@@ -237,11 +239,6 @@ def mask_bytes_per_token(shape: ModelShape, s: TrainerSetting) -> int:
     if s.attention == "sdpa":
         return row  # one boolean [L, L] mask per row: L bytes per token
     return 4 * row + shape.layers * 2 * 4 * shape.heads * row  # additive mask; scores and softmax per head
-
-
-HEAD_CHUNK_ELEMENTS = 2**26
-"""Logits ``trainer.head`` computes at once: [C, V] with C = this // V positions (float32: 256 MB).
-Here, where no torch is imported, so the head and this estimate share one number."""
 
 
 def head_bytes(shape: ModelShape, s: TrainerSetting, compute: int) -> int:

@@ -12,7 +12,7 @@ trainer node), and the first trainer node also runs the orchestrator. Every sock
 the address the config names (`slurm.bind_host`, default the node's own address); on
 one node everything stays on 127.0.0.1.
 
-This module plans and writes each process's config; ``prime_rl.launcher`` runs them.
+This module plans and writes each process's config; ``prime_rl.launch.launcher`` runs them.
 """
 
 from __future__ import annotations
@@ -30,10 +30,11 @@ import zmq
 
 from prime_rl.config import InferenceConfig, RLConfig, TransportConfig
 from prime_rl.keys import holds_secret
-from prime_rl.launcher import ProcessSpec
-from prime_rl.resolve import resolve
+from prime_rl.launch.launcher import ProcessSpec
+from prime_rl.launch.ports import Binding
+from prime_rl.launch.resolve import resolve
 from prime_rl.rundir import config_path, write_json_atomic
-from prime_rl.teacher import teacher_inference
+from prime_rl.launch.teacher import teacher_inference
 from prime_rl.vllm_command import shell_line
 from prime_rl.wire import DEFAULT_MAX_FRAME_BYTES, max_frame_bytes
 
@@ -245,11 +246,30 @@ def describe(placement: Placement, config: RLConfig | None = None, replicas: boo
 # --------------------------------------------------------------------------- processes
 
 
+def rl_bindings(config: RLConfig, placement: Placement, serve: bool = True) -> list[Binding]:
+    """Every port this node's processes bind (``placement`` of one node, as planned); without
+    ``serve`` not the inference ports (warm servers the run attaches to hold them)."""
+    bindings = inference_bindings(placement) if serve else []
+    transport = config.orchestrator.transport
+    # as process_specs and the sender resolve it: the placement's bind host, else the config's, else the address
+    host = placement.bind_host or transport.bind_host or placement.orchestrator_host
+    for rank in range(config.num_trainer_ranks):
+        bindings.append(Binding(host, transport.port + rank, "transport.port" + (f" + {rank} (trainer rank {rank})" if rank else "")))
+    if placement.teacher is not None:
+        bindings.append(Binding(placement.teacher.host, placement.teacher.port, "teacher.port"))
+    return bindings
+
+
+def inference_bindings(placement: Placement) -> list[Binding]:
+    """The port of each vLLM replica."""
+    return [Binding(r.host, r.port, "inference.port" + (f" + {r.index}" if r.index else "")) for r in placement.replicas]
+
+
 def process_specs(
     config: RLConfig, run_dir: Path, placement: Placement, node: int = 0, job_id: str = "", serve: bool = True
 ) -> list[ProcessSpec]:
     """Write the configs of ``node``'s processes to RUN/configs/ and return how to start them;
-    without ``serve``, no inference replicas (a run attached to warm servers, ``prime_rl.warm``)."""
+    without ``serve``, no inference replicas (a run attached to warm servers, ``prime_rl.launch.warm``)."""
     if len(placement.nodes) > 1 and not has_transport_keys(config):
         # each node resolves its own configs: keys drawn here would differ from node to node
         raise PlacementError("a multi-node job needs the transport keys in its resolved config (RUN/slurm/rl.json, written by `prime-rl --slurm`)")
@@ -283,7 +303,7 @@ def with_server_key(config: RLConfig) -> RLConfig:
     local user; with a key every route requires it (``inference.auth``) and the orchestrator
     sends it only to a server that proved it holds it (``prime_rl.keys``). Drawn per launch,
     like the transport keys; the configs holding it are written 0600 (``write_config``). Not
-    for a run attached to warm servers: it brings their key (``prime_rl.warm``)."""
+    for a run attached to warm servers: it brings their key (``prime_rl.launch.warm``)."""
     if config.inference.api_key is not None:
         return config
     config = config.model_copy(deep=True)
@@ -363,7 +383,7 @@ def replica_spec(config: RLConfig, run_dir: Path, replica: Replica, python: str,
 
 
 def teacher_spec(config: RLConfig, run_dir: Path, teacher: Replica, python: str) -> ProcessSpec:
-    """The local distillation teacher: a vLLM server of its own (``prime_rl.teacher``)."""
+    """The local distillation teacher: a vLLM server of its own (``prime_rl.launch.teacher``)."""
     return server_spec(run_dir, "teacher", teacher_server(config, teacher), teacher.gpus, python)
 
 

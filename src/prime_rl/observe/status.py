@@ -4,7 +4,7 @@
   a half-written last line waits for its end and a malformed line (``prime_rl.rundir.parse_row``:
   not JSON, nested too deeply, a step that is not a whole number) is counted, never raised;
 - ``summarize`` + ``render``: the status the tmux session's `status` pane redraws
-  (`python -m prime_rl.status RUN --follow`) and a headless run prints every
+  (`python -m prime_rl.observe.status RUN --follow`) and a headless run prints every
   `status.every_steps` steps: step / max_steps and ETA, the reward (per environment when
   several) as a sparkline with its 10-step mean, mismatch KL, staleness, masked fraction,
   tokens/s, where a step's time goes, and any process that failed;
@@ -340,7 +340,7 @@ class StatusOptions:
         steps = ["--max-steps", str(self.max_steps)] if self.max_steps is not None else []
         # tmux runs this through a shell: shlex quotes every word (repr would let a run
         # directory named `'$(cmd)'` close the quote and run cmd).
-        return shlex.join([sys.executable, "-m", "prime_rl.status", "--follow", "--pid", str(launcher_pid),
+        return shlex.join([sys.executable, "-m", "prime_rl.observe.status", "--follow", "--pid", str(launcher_pid),
                            "--interval", f"{self.interval_s:g}", *steps, "--", str(run_dir)])  # `--`: a dir named `-x`
 
 
@@ -422,7 +422,7 @@ def follow(run_dir: Path, max_steps: int | None, interval_s: float, pid: int | N
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m prime_rl.status", description="A run's status from RUN/metrics.jsonl.")
+    parser = argparse.ArgumentParser(prog="python -m prime_rl.observe.status", description="A run's status from RUN/metrics.jsonl.")
     parser.add_argument("run_dir", type=Path)
     parser.add_argument("--max-steps", type=int, default=None)
     parser.add_argument("--follow", action="store_true", help="redraw until --pid exits (the tmux pane)")

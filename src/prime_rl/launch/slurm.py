@@ -4,7 +4,7 @@ At submission the launcher validates the config, prepares the run directory as f
 local run, writes the resolved config to ``RUN/slurm/rl.json`` and renders
 ``RUN/slurm/job.sbatch`` from `[slurm]`. The script resolves the job's nodes and their
 addresses from SLURM (``scontrol``), then starts ``prime-rl slurm-node`` on every node
-with ``srun``. Each node's launcher starts that node's processes (``prime_rl.deployment``)
+with ``srun``. Each node's launcher starts that node's processes (``prime_rl.launch.deployment``)
 in a tmux session of its own, exactly like a local run:
 
 - one node: the whole trio, GPUs split by `[deployment]`;
@@ -26,14 +26,14 @@ import sys
 from pathlib import Path
 
 from prime_rl.config import RLConfig, SlurmConfig
-from prime_rl.deployment import (
+from prime_rl.launch.deployment import (
     Placement, count_gpus, describe, plan_multi_node, plan_single_node, process_specs, resolve_transport, with_server_key,
 )
-from prime_rl.launcher import run, tmux_available, tmux_session_name
+from prime_rl.launch.launcher import run, tmux_available, tmux_session_name
 from prime_rl.rundir import write_json_atomic
-from prime_rl.resolve import resolve
+from prime_rl.launch.resolve import resolve
 from prime_rl.settings import ConfigError
-from prime_rl.status import StatusOptions
+from prime_rl.observe.status import StatusOptions
 
 HOSTS_VAR = "PRIME_RL_SLURM_HOSTS"
 ADDRS_VAR = "PRIME_RL_SLURM_ADDRS"

@@ -21,13 +21,6 @@ from dataclasses import dataclass
 
 import psutil
 
-from typing import TYPE_CHECKING
-
-from prime_rl.config import RLConfig
-
-if TYPE_CHECKING:  # deployment resolves the config before it lists the ports (prime_rl.resolve)
-    from prime_rl.deployment import Placement
-
 
 @dataclass(frozen=True)
 class Binding:
@@ -35,25 +28,6 @@ class Binding:
     port: int
     setting: str
     """The setting that chose the port, for messages (`inference.port`, `transport.port + 1`)."""
-
-
-def rl_bindings(config: RLConfig, placement: Placement, serve: bool = True) -> list[Binding]:
-    """Every port this node's processes bind (``placement`` of one node, as planned); without
-    ``serve`` not the inference ports (warm servers the run attaches to hold them)."""
-    bindings = inference_bindings(placement) if serve else []
-    transport = config.orchestrator.transport
-    # as process_specs and the sender resolve it: the placement's bind host, else the config's, else the address
-    host = placement.bind_host or transport.bind_host or placement.orchestrator_host
-    for rank in range(config.num_trainer_ranks):
-        bindings.append(Binding(host, transport.port + rank, "transport.port" + (f" + {rank} (trainer rank {rank})" if rank else "")))
-    if placement.teacher is not None:
-        bindings.append(Binding(placement.teacher.host, placement.teacher.port, "teacher.port"))
-    return bindings
-
-
-def inference_bindings(placement: Placement) -> list[Binding]:
-    """The port of each vLLM replica."""
-    return [Binding(r.host, r.port, "inference.port" + (f" + {r.index}" if r.index else "")) for r in placement.replicas]
 
 
 def port_problems(bindings: list[Binding]) -> list[str]:

@@ -42,7 +42,7 @@ import psutil
 from prime_rl.heartbeat import Beat, heartbeat_path, read_heartbeats
 from prime_rl.keys import private_opener
 from prime_rl.rundir import log_path
-from prime_rl.status import StatusOptions, StatusPrinter, record_event
+from prime_rl.observe.status import StatusOptions, StatusPrinter, record_event
 
 if TYPE_CHECKING:
     from prime_rl.config import WatchdogConfig
@@ -117,7 +117,7 @@ class Launcher:
         self.watchdog = watchdog if on else None
         self.started_unix = time.time()
         self.reported_unix: float | None = None
-        self.printer: StatusPrinter | None = None  # a headless run's periodic status (prime_rl.status)
+        self.printer: StatusPrinter | None = None  # a headless run's periodic status (prime_rl.observe.status)
 
     def start(self) -> None:
         self.started_unix = time.time()
