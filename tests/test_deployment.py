@@ -11,11 +11,17 @@ import pytest
 
 from helpers import REPO
 from prime_rl.config import RLConfig
+from prime_rl.launch.resolve import placed
 from prime_rl.launch.deployment import PlacementError, plan_single_node, process_specs, replica_inference, teacher_server
 from prime_rl.launch.resolve import resolve
 from prime_rl.settings import ConfigError, load_config
 from prime_rl.vllm_command import shell_line, vllm_command, vllm_env
 
+
+
+def specs_of(cfg, run_dir, placement, **kwargs):
+    """What the launch writes for ``placement``: the config placed on it, then serialized."""
+    return process_specs(placed(cfg, placement), run_dir, placement, **kwargs)
 
 def config(**sections) -> RLConfig:
     return resolve(RLConfig.model_validate({"model": "Qwen/Qwen3-0.6B", "batch_size": 64, **sections}))
@@ -28,7 +34,7 @@ def test_eight_gpus_split_four_and_four(tmp_path):
         (9000 + i, (i,), f"http://127.0.0.1:{9000 + i}") for i in range(4)
     ]
     assert placement.trainer.gpus == (4, 5, 6, 7) and placement.trainer.nproc_per_node == 4
-    specs = {s.name: s for s in process_specs(cfg, tmp_path, placement)}
+    specs = {s.name: s for s in specs_of(cfg, tmp_path, placement)}
     assert specs["inference-2"].env["CUDA_VISIBLE_DEVICES"] == "2"
     assert specs["trainer"].env["CUDA_VISIBLE_DEVICES"] == "4,5,6,7"
     assert specs["trainer"].argv[1:5] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4"]
@@ -48,7 +54,7 @@ def test_without_gpus_the_same_keys_start_cpu_processes(tmp_path):
     cfg = config(deployment={"inference_gpus": 2, "trainer_gpus": 2})
     placement = plan_single_node(cfg, gpus_available=0)
     assert placement.device == "cpu" and len(placement.replicas) == 2 and placement.trainer.world_size == 2
-    assert all("CUDA_VISIBLE_DEVICES" not in s.env for s in process_specs(cfg, tmp_path, placement))
+    assert all("CUDA_VISIBLE_DEVICES" not in s.env for s in specs_of(cfg, tmp_path, placement))
 
 
 def with_teacher(**sections) -> RLConfig:
@@ -79,7 +85,7 @@ def test_each_replica_runs_vllm_tensor_parallel_over_its_gpus(tmp_path):
     cmd = vllm_command(teacher, cpu=False)
     assert placement.teacher.gpus == (4, 5) and flag(cmd, "--tensor-parallel-size") == "2" and flag(cmd, "--model") == "teacher-model"
     assert cmd[-2:] == ["--seed", "7"]  # extra_args last, after the flags the placement decides
-    process_specs(cfg, tmp_path, placement)
+    specs_of(cfg, tmp_path, placement)
     assert json.loads((tmp_path / "configs" / "teacher.json").read_text())["tensor_parallel_size"] == 2
     assert flag(vllm_command(teacher_server(cfg, plan_single_node(cfg, 0).teacher), cpu=False), "--tensor-parallel-size") == "1"
 
@@ -188,7 +194,7 @@ def test_configs_that_hold_the_api_key_are_private(tmp_path):
     import stat
 
     cfg = config(inference={"api_key": "secret"})
-    process_specs(cfg, tmp_path, plan_single_node(cfg, gpus_available=0))
+    specs_of(cfg, tmp_path, plan_single_node(cfg, gpus_available=0))
     modes = {p.stem: stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "configs").glob("*.json")}
     # the trainer's holds the transport's CURVE secret
     assert all(mode == 0o600 for mode in modes.values()), modes
@@ -202,7 +208,7 @@ def test_a_leftover_temporary_config_does_not_make_a_private_one_readable(tmp_pa
     leftover.write_text("{}")
     leftover.chmod(0o644)
     cfg = config(inference={"api_key": "secret"})
-    process_specs(cfg, tmp_path, plan_single_node(cfg, gpus_available=0))
+    specs_of(cfg, tmp_path, plan_single_node(cfg, gpus_available=0))
     assert stat.S_IMODE((tmp_path / "configs" / "inference.json").stat().st_mode) == 0o600
 
 
@@ -210,6 +216,6 @@ def test_gpus_index_the_ones_this_launcher_was_given(tmp_path, monkeypatch):
     """Under SLURM the job's GPUs are whatever it allocated: processes get those, split."""
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5,7,9,11,13,15,17")
     cfg = config(deployment={"inference_gpus": 4, "trainer_gpus": 4})
-    specs = {s.name: s for s in process_specs(cfg, tmp_path, plan_single_node(cfg, gpus_available=8))}
+    specs = {s.name: s for s in specs_of(cfg, tmp_path, plan_single_node(cfg, gpus_available=8))}
     assert specs["inference-1"].env["CUDA_VISIBLE_DEVICES"] == "5"
     assert specs["trainer"].env["CUDA_VISIBLE_DEVICES"] == "11,13,15,17"

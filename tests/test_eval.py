@@ -21,7 +21,7 @@ from orchestrator.eval import EnvResult, result_table
 from orchestrator.envs.reverse_text import lcs_ratio
 from fake_inference import FakeInferenceServer
 from orchestrator.sampler import ChatSampler
-from prime_rl.cli import load_eval_config, main, resolve_eval_target
+from prime_rl.cli import load_eval_config, main, resolve_eval
 from prime_rl.config import ClientConfig, EvalEnvConfig, EvalRunConfig, EvalSamplingConfig, KNOWN_ENVIRONMENTS
 from prime_rl.envs import Example, Rollout
 from prime_rl.endpoints import load_endpoints
@@ -122,12 +122,13 @@ def test_entry_cannot_set_both_id_and_env_id(tmp_path):
 
 def test_local_model_gets_its_own_server_on_a_free_port(tmp_path, tiny_model):
     cfg = load_eval_config(["reverse-text", "-m", str(tiny_model), "--seq-len", "256", "--endpoints-path", str(tmp_path / "none.toml")])
-    target = resolve_eval_target(cfg)
+    cfg = resolve_eval(cfg)
+    target = cfg.target
     assert (target.type, target.model, target.api_key_var) == ("local", str(tiny_model), None)
     assert cfg.inference.model == str(tiny_model) and cfg.inference.seq_len == 256
     assert cfg.client.base_url == f"http://127.0.0.1:{cfg.inference.port}"
     pinned = load_eval_config(["reverse-text", "-m", str(tiny_model), "--inference.port", "8123"])
-    resolve_eval_target(pinned)
+    pinned = resolve_eval(pinned)
     assert pinned.client.base_url == "http://127.0.0.1:8123"
     # our own server requires a key on every route: one drawn per launch, the client's too
     assert cfg.inference.api_key and cfg.client.api_key == cfg.inference.api_key != pinned.inference.api_key
@@ -144,7 +145,8 @@ def test_a_lora_runs_weights_are_served_as_an_adapter_on_their_base_model(tmp_pa
     adapter.mkdir(parents=True)
     (adapter / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": str(tiny_model), "r": 4}))
     cfg = load_eval_config(["reverse-text", "-m", str(adapter), "--endpoints-path", str(tmp_path / "none.toml")])
-    target = resolve_eval_target(cfg)
+    cfg = resolve_eval(cfg)
+    target = cfg.target
     assert (target.type, target.model) == ("local", str(adapter))
     assert cfg.inference.model == str(tiny_model) and cfg.inference.max_lora_rank == 8  # vLLM's next rank
     cmd = vllm_command(cfg.inference, cpu=True)
@@ -152,7 +154,7 @@ def test_a_lora_runs_weights_are_served_as_an_adapter_on_their_base_model(tmp_pa
 
     (adapter / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": str(tmp_path / "gone"), "r": 4}))
     with pytest.raises(ConfigError, match=r"model \(the base model .*adapter_config.json names\): model path .*gone.* does not exist"):
-        resolve_eval_target(load_eval_config(["reverse-text", "-m", str(adapter)]))
+        resolve_eval(load_eval_config(["reverse-text", "-m", str(adapter)]))
 
 
 # --------------------------------------------------------------------------- endpoints and shipped configs
@@ -195,8 +197,8 @@ def test_shipped_endpoints_and_eval_configs_parse_and_resolve(monkeypatch):
     assert [e.id for e in multi.eval] == ["reverse-text", "alphabet-sort", "gsm8k", "wordle"]
     assert multi.save_results and multi.endpoint_id == "gpt-4.1-mini"
     monkeypatch.chdir(REPO)  # endpoints_path is relative to where the command runs
-    for cfg in (minimal, multi):
-        target = resolve_eval_target(cfg)
+    for cfg in (resolve_eval(minimal), resolve_eval(multi)):
+        target = cfg.target
         assert (target.type, target.endpoint_id, target.api_key_var) == ("endpoint", "gpt-4.1-mini", "OPENAI_API_KEY")
         assert cfg.client.base_url == "https://api.openai.com/v1"
 

@@ -235,8 +235,7 @@ def test_a_run_draws_a_key_for_the_servers_it_starts_when_the_config_names_none(
     import stat
 
     from prime_rl.config import RLConfig
-    from prime_rl.launch.deployment import with_server_key
-    from prime_rl.launch.resolve import resolve
+    from prime_rl.launch.resolve import resolve, with_server_key
 
     cfg = resolve(RLConfig.model_validate({
         "model": "Qwen/Qwen3-0.6B", "batch_size": 64, "teacher": {"model": "t"},

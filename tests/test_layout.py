@@ -153,3 +153,83 @@ def test_the_readmes_map_matches_the_packages():
     for package in (prime_rl, prime_rl / "launch", prime_rl / "observe"):
         must_name |= {str(p.relative_to(root)) for p in package.glob("*.py") if p.name != "__init__.py"}
     assert sorted(must_name - named) == [], "modules and packages the map does not name"
+
+
+# --------------------------------------------------------------------------- resolve is the only writer
+
+RESOLVE = "prime_rl/launch/resolve.py"
+"""The resolve stage: every derived setting is written here, on a copy (launch/resolve.py's docstring)."""
+
+NOT_OUR_CONFIGS = {
+    ("trainer/weights.py", "dtype"): "a transformers PretrainedConfig of the weights written, not a prime-rl config",
+    ("trainer/lora.py", "base_model_name_or_path"): "peft's LoraConfig of the adapter written, not a prime-rl config",
+}
+"""(file, attribute) -> why a write of that name there is not a write of a prime-rl config."""
+
+
+def config_field_names() -> set[str]:
+    """Every field name of every prime-rl config model."""
+    import prime_rl.config as config
+    from pydantic import BaseModel
+
+    models = [v for v in vars(config).values() if isinstance(v, type) and issubclass(v, BaseModel)]
+    return {name for model in models for name in model.model_fields}
+
+
+def is_validator(function: ast.FunctionDef) -> bool:
+    names = {ast.unparse(d.func if isinstance(d, ast.Call) else d) for d in function.decorator_list}
+    return bool(names & {"model_validator", "field_validator"})
+
+
+def config_writes(path: Path, fields: set[str]) -> list[tuple[int, str]]:
+    """(line, target) of each write of a config field name outside a config's own validators:
+    `x.field = ...`, `x.field += ...`, and `setattr(x, "field", ...)`; `self.field = ...` in a
+    class that is not a config is its own attribute."""
+    tree = ast.parse(path.read_text(), str(path))
+    writes, skip = [], set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef):
+            is_config = any(ast.unparse(b) in ("StrictModel", "BaseModel") for b in node.bases)
+            for item in node.body:
+                if isinstance(item, ast.FunctionDef) and (not is_config or is_validator(item)):
+                    skip.update(id(n) for n in ast.walk(item) if isinstance(n, ast.Attribute) and ast.unparse(n.value) == "self")
+    for node in ast.walk(tree):
+        targets = []
+        if isinstance(node, ast.Assign):
+            targets = [t for target in node.targets for t in (target.elts if isinstance(target, ast.Tuple) else [target])]
+        elif isinstance(node, ast.AugAssign | ast.AnnAssign):
+            targets = [node.target]
+        elif isinstance(node, ast.Call) and ast.unparse(node.func) in ("setattr", "object.__setattr__") and len(node.args) > 1:
+            name = node.args[1].value if isinstance(node.args[1], ast.Constant) else "<computed>"
+            if name in fields or name == "<computed>":
+                writes.append((node.lineno, f"setattr(..., {name!r})"))
+        for target in targets:
+            if isinstance(target, ast.Attribute) and target.attr in fields and id(target) not in skip:
+                writes.append((target.lineno, ast.unparse(target)))
+    return sorted(writes)
+
+
+def test_the_config_write_finder_sees_each_kind_of_write(tmp_path):
+    sample = tmp_path / "sample.py"
+    sample.write_text(
+        "class Box:\n    def __init__(self):\n        self.model = 1\n"  # its own attribute
+        "class C(StrictModel):\n    @model_validator(mode='after')\n    def _v(self):\n        self.model = 2\n"
+        "def f(config):\n    config.inference.model = 'x'\n    config.seq_len += 1\n    setattr(config, 'model', 3)\n"
+        "    a.port, b = 1, 2\n    config.not_a_field = 4\n"
+    )
+    found = [target for _, target in config_writes(sample, {"model", "seq_len", "port"})]
+    assert found == ["config.inference.model", "config.seq_len", "setattr(..., 'model')", "a.port"]
+
+
+def test_no_config_is_written_outside_the_resolve_stage_and_the_validators():
+    fields = config_field_names()
+    assert {"model", "api_key", "base_url", "resume_step"} <= fields
+    wrong = []
+    for path in sorted(SRC.rglob("*.py")):
+        relative = str(path.relative_to(SRC))
+        if relative == RESOLVE:
+            continue
+        for line, target in config_writes(path, fields):
+            if (relative, target.rpartition(".")[2]) not in NOT_OUR_CONFIGS:
+                wrong.append(f"src/{relative}:{line}: {target}")
+    assert wrong == [], "configs are written only by prime_rl/launch/resolve.py (return a new config from there)"

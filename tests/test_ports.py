@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from helpers import free_port, free_port_pair
-from prime_rl.cli import main, resolve_eval_target
+from prime_rl.cli import main, resolve_eval
 from prime_rl.config import RLConfig
 from prime_rl.launch.deployment import plan_single_node
 from prime_rl.launch.deployment import rl_bindings
@@ -118,4 +118,4 @@ def test_eval_checks_a_port_the_user_chose(tmp_path, tiny_model, held_port):
     config = load_eval_config(["reverse-text", "-m", str(tiny_model), "--endpoints-path", str(tmp_path / "none.toml"),
                                "--inference.port", str(port)])
     with pytest.raises(ConfigError, match=f"port {port} on 127.0.0.1 \\(inference.port\\) is in use by pid {pid}"):
-        resolve_eval_target(config)
+        resolve_eval(config)

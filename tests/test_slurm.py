@@ -14,6 +14,7 @@ import pytest
 
 from helpers import REPO, new_tag, tagged_processes, trio_toml
 from prime_rl.config import RLConfig
+from prime_rl.launch.resolve import placed, resolve
 from prime_rl.launch.deployment import plan_multi_node, process_specs
 from prime_rl.launch.launcher import tail
 from prime_rl.rundir import MARKER, log_path, metrics_path, read_jsonl, weights_step_dir
@@ -32,6 +33,11 @@ echo "$* | $PRIME_RL_SLURM_HOSTS | $PRIME_RL_SLURM_ADDRS" >> "$SRUN_LOG"
 case "$*" in *--nodelist=a1,a2*) sleep 1 ;; esac
 """
 
+
+
+def specs_of(cfg, run_dir, placement, **kwargs):
+    """What the launch writes for ``placement``: the config placed on it, then serialized."""
+    return process_specs(placed(cfg, placement), run_dir, placement, **kwargs)
 
 def rendered_job(tmp_path, slurm: dict) -> tuple[RLConfig, str, list[str]]:
     """Render the script for ``slurm``, run it with fake scontrol/srun; returns the config,
@@ -57,7 +63,7 @@ def test_one_node_job_runs_the_whole_trio_on_its_node(tmp_path):
     assert len(calls) == 1 and calls[0].startswith("--nodes=1 --ntasks=1 /venv/python -m prime_rl.cli slurm-node "), calls
     # on the node: the single-node placement, everything on 127.0.0.1
     placement, index, _ = node_placement(config)
-    specs = process_specs(config, tmp_path / "run", placement, node=index)
+    specs = specs_of(config, tmp_path / "run", placement, node=index)
     assert [s.name for s in specs] == ["inference", "orchestrator", "trainer"]
     orchestrator = json.loads((tmp_path / "run/configs/orchestrator.json").read_text())
     assert orchestrator["client"]["base_url"] == f"http://127.0.0.1:{config.inference.port}"
@@ -97,13 +103,13 @@ def test_four_node_job_splits_hosts_and_wires_addresses(tmp_path, monkeypatch):
     monkeypatch.setenv(ADDRS_VAR, "10.0.0.1,10.0.0.2,10.0.0.3,10.0.0.4")
     run_dir = tmp_path / "run"
     resolved, _ = prepare(config, run_dir, tmux=False)
-    config = RLConfig.model_validate_json(resolved.read_text())
+    config = resolve(RLConfig.model_validate_json(resolved.read_text()))  # as node_main reads it
     port = config.inference.port
     by_node = {}
     for node in ("a1", "a2", "a3", "a4"):
         monkeypatch.setenv("SLURMD_NODENAME", node)
         placement, index, _ = node_placement(config)
-        by_node[node] = {s.name: s for s in process_specs(config, run_dir, placement, node=index, job_id="42")}
+        by_node[node] = {s.name: s for s in specs_of(config, run_dir, placement, node=index, job_id="42")}
     assert set(by_node["a1"]) == {f"inference-{i}" for i in range(8)}
     assert set(by_node["a2"]) == {f"inference-{i}" for i in range(8, 16)}
     assert sorted(by_node["a3"]) == ["orchestrator", "trainer"] and sorted(by_node["a4"]) == ["trainer-1"]
@@ -155,7 +161,7 @@ def test_a_multi_node_job_without_transport_keys_is_refused(tmp_path):
                                       "slurm": {"nodes": 2, "inference_nodes": 1, "gpus_per_node": 0}})
     placement = plan_multi_node(config, ["10.0.0.1", "10.0.0.2"])
     with pytest.raises(ValueError, match="multi-node job needs the transport keys"):
-        process_specs(config, tmp_path / "run", placement, node=1)
+        specs_of(config, tmp_path / "run", placement, node=1)
 
 
 FAILING_INFERENCE_SRUN = """#!/bin/bash

@@ -12,7 +12,7 @@ from prime_rl.launch.deployment import PlacementError, plan_single_node, process
 from prime_rl.envs import Rollout, Turn
 from prime_rl.launch.deployment import rl_bindings
 from prime_rl.settings import ConfigError
-from prime_rl.launch.teacher import resolve_teacher
+from prime_rl.launch.resolve import placed, resolve
 from pydantic import ValidationError
 
 from orchestrator.batch import ScoredRollout, pack_batches
@@ -50,12 +50,12 @@ def test_a_teacher_and_the_distillation_loss_come_together(data, message):
 
 
 def test_a_local_teacher_is_served_on_its_own_port_and_gpus(tmp_path):
-    cfg = resolve_teacher(rl(teacher={"model": "teacher-model", "port": 8123}, deployment={"inference_gpus": 2, "trainer_gpus": 1}))
+    cfg = resolve(rl(teacher={"model": "teacher-model", "port": 8123}, deployment={"inference_gpus": 2, "trainer_gpus": 1}))
     assert cfg.orchestrator.teacher.client.base_url == "http://127.0.0.1:8123"
     assert cfg.orchestrator.teacher.model == "teacher-model" and cfg.orchestrator.teacher.system_prompt is None
     placement = plan_single_node(cfg, gpus_available=4)
     assert placement.teacher.gpus == (3,) and placement.teacher.port == 8123
-    specs = {s.name: s for s in process_specs(cfg, tmp_path, placement)}
+    specs = {s.name: s for s in process_specs(placed(cfg, placement), tmp_path, placement)}
     teacher = specs["teacher"]
     assert teacher.env["CUDA_VISIBLE_DEVICES"] == "3" and not teacher.required  # a server, like inference
     served = (tmp_path / "configs" / "teacher.json").read_text()
@@ -66,17 +66,17 @@ def test_a_local_teacher_is_served_on_its_own_port_and_gpus(tmp_path):
 
 
 def test_top_k_reaches_the_orchestrator_the_teachers_server_and_the_frame_cap(tmp_path):
-    from prime_rl.launch.deployment import resolve_transport
+    from prime_rl.launch.resolve import with_transport
     from prime_rl.launch.teacher import teacher_inference
 
     plain = rl(teacher={"model": "t"}, seq_len=2048)
     cfg = rl(teacher={"model": "t"}, seq_len=2048, trainer={"loss": {"distill": {"reward_weight": 0.5, "top_k": 64}}})
-    assert resolve_teacher(plain).orchestrator.teacher.top_k == 0 and teacher_inference(plain).max_logprobs == 20
-    assert resolve_teacher(cfg).orchestrator.teacher.top_k == 64 and teacher_inference(cfg).max_logprobs == 64
+    assert resolve(plain).orchestrator.teacher.top_k == 0 and teacher_inference(plain).max_logprobs == 20
+    assert resolve(cfg).orchestrator.teacher.top_k == 64 and teacher_inference(cfg).max_logprobs == 64
     assert cfg.inference.max_logprobs == 20  # the policy's server is left as it is
     # 128 samples (2 a rollout) of 2048 tokens: 3.4 MB alone (the 64 MiB floor), 138 MB with 64 tokens at each
-    assert resolve_transport(plain).orchestrator.transport.max_message_bytes == 64 * 2**20
-    assert resolve_transport(cfg).orchestrator.transport.max_message_bytes > 137_000_000
+    assert with_transport(plain).orchestrator.transport.max_message_bytes == 64 * 2**20
+    assert with_transport(cfg).orchestrator.transport.max_message_bytes > 137_000_000
     with pytest.raises(ValidationError, match="top_k"):
         rl(teacher={"model": "t"}, trainer={"loss": {"distill": {"top_k": -1}}})
 
@@ -84,23 +84,23 @@ def test_top_k_reaches_the_orchestrator_the_teachers_server_and_the_frame_cap(tm
 def test_an_endpoint_teacher_is_looked_up_and_its_key_stays_a_variable_name(tmp_path):
     endpoints = tmp_path / "endpoints.toml"
     endpoints.write_text('[[endpoint]]\nendpoint_id = "big"\nmodel = "org/big"\nurl = "http://10.0.0.1:8000/v1"\nkey = "BIG_KEY"\n')
-    cfg = resolve_teacher(rl(teacher={"endpoint": "big", "endpoints_path": str(endpoints)}))
+    cfg = resolve(rl(teacher={"endpoint": "big", "endpoints_path": str(endpoints)}))
     teacher = cfg.orchestrator.teacher
     assert (teacher.client.base_url, teacher.model, teacher.api_key_env) == ("http://10.0.0.1:8000", "org/big", "BIG_KEY")
     assert teacher.client.api_key is None and plan_single_node(cfg, 0).teacher is None  # nothing to start
     with pytest.raises(ConfigError, match=r"no endpoint 'small' in .*known: big"):
-        resolve_teacher(rl(teacher={"endpoint": "small", "endpoints_path": str(endpoints)}))
+        resolve(rl(teacher={"endpoint": "small", "endpoints_path": str(endpoints)}))
 
 
 def test_the_teachers_system_prompt_file_is_read_at_launch(tmp_path):
     prompt = tmp_path / "best_prompt.txt"
     prompt.write_text("Reverse the text, character by character.\n")
-    cfg = resolve_teacher(rl(teacher={"model": "t", "system_prompt_file": str(prompt)}))
+    cfg = resolve(rl(teacher={"model": "t", "system_prompt_file": str(prompt)}))
     assert cfg.orchestrator.teacher.system_prompt == "Reverse the text, character by character."
     with pytest.raises(ConfigError, match=r"teacher.system_prompt_file: '.*missing.txt' not found"):
-        resolve_teacher(rl(teacher={"model": "t", "system_prompt_file": str(tmp_path / "missing.txt")}))
+        resolve(rl(teacher={"model": "t", "system_prompt_file": str(tmp_path / "missing.txt")}))
     with pytest.raises(ConfigError, match=r"^teacher.system_prompt_file: '/proc/self/environ' lies under /proc"):
-        resolve_teacher(rl(teacher={"model": "t", "system_prompt_file": "/proc/self/environ"}))  # the process's secrets
+        resolve(rl(teacher={"model": "t", "system_prompt_file": "/proc/self/environ"}))  # the process's secrets
 
 
 # --------------------------------------------------------------------------- what the teacher scores

@@ -292,7 +292,9 @@ def test_a_run_attaches_in_its_resolved_configs(tmp_path, tiny_model, seed1_mode
 
 def test_a_resumed_run_loads_its_checkpoints_weights(tmp_path, tiny_model, seed1_model):
     config = load(rl_config(tmp_path, seed1_model, 18000))
-    weights = warm.attach(config, [a_state(tiny_model)], tmp_path / "run", resume_step=4)
+    attached, weights = warm.attach(config, [a_state(tiny_model)], tmp_path / "run", resume_step=4)
+    assert config.orchestrator.initial_weights is None, "the config given is not changed"
+    config = attached
     assert weights == config.orchestrator.initial_weights == tmp_path / "run" / "weights" / "step_4"
     assert config.orchestrator.model == str(tiny_model)  # the name the server serves under
 

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from prime_rl.commands import evaluate
 from prime_rl.commands import export, gepa, inference, report, rl, sft
 from prime_rl.commands.evaluate import load_eval_config  # noqa: F401 - the eval command's config, for tests and scripts
-from prime_rl.launch.resolve import resolve_eval_target  # noqa: F401 - likewise
+from prime_rl.launch.resolve import resolve_eval  # noqa: F401 - likewise
 from prime_rl.settings import ConfigError
 
 

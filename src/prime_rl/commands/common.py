@@ -68,14 +68,14 @@ def make_dir(path: Path, field: str) -> None:
 
 
 def new_run_dir(config: EvalRunConfig | GepaRunConfig) -> Path:
-    """OUTPUT_DIR/runs/<run_id>, created; a run id already used is refused."""
+    """OUTPUT_DIR/runs/<run_id>, created (a fresh id unless `run_id` names one); a run id already
+    used is refused. ``prime_rl.launch.resolve.in_run_dir`` then names the run by it."""
     output_dir = checked_output_dir(config.output_dir, OUTPUT_DIR)
-    config.run_id = config.run_id or f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
-    run_dir = output_dir / "runs" / config.run_id
+    run_id = config.run_id or f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+    run_dir = output_dir / "runs" / run_id
     if run_dir.exists():
         raise ConfigError(f"run_id: {str(run_dir)!r} exists already; choose another run_id or leave it unset")
     make_dir(run_dir, OUTPUT_DIR)
-    config.inference.output_dir = run_dir
     return run_dir
 
 

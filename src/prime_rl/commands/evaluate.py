@@ -7,7 +7,7 @@ from pathlib import Path
 from prime_rl.commands.common import load_run_config, new_run_dir, print_options_help, served_process_specs
 from prime_rl.config import EvalRunConfig
 from prime_rl.launch.launcher import ProcessSpec, run
-from prime_rl.launch.resolve import resolve_eval_target
+from prime_rl.launch.resolve import in_run_dir, resolve_eval
 
 EVAL_OPTIONS: dict[str, str] = {
     # option -> the setting it sets (its help is that field's documentation and default);
@@ -31,9 +31,9 @@ def main(argv: list[str]) -> int:
     if not argv or "--help" in argv or "-h" in argv:
         print_eval_help()
         return 0
-    config = load_eval_config(argv)
-    config.target = resolve_eval_target(config)
+    config = resolve_eval(load_eval_config(argv))
     run_dir = new_run_dir(config)
+    config = in_run_dir(config, run_dir)
     return run(run_dir, eval_process_specs(config, run_dir), use_tmux=False, session_name="", exit_code_from="eval")
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from prime_rl.commands.common import load_run_config, new_run_dir, print_options_help, served_process_specs
 from prime_rl.config import GepaRunConfig
 from prime_rl.launch.launcher import run
-from prime_rl.launch.resolve import resolve_eval_target, resolve_reflection_target
+from prime_rl.launch.resolve import in_run_dir, resolve_gepa
 
 GEPA_OPTIONS: dict[str, str] = {
     # option -> the setting it sets (its help is that field's documentation and default);
@@ -35,9 +35,8 @@ def main(argv: list[str]) -> int:
                            "results and proposes prompts; a Pareto frontier is kept over validation examples.",
                            GEPA_OPTIONS, GepaRunConfig, "env")
         return 0
-    config = load_run_config(GepaRunConfig, argv, GEPA_OPTIONS, "env", GEPA_USAGE)
-    config.target = resolve_eval_target(config)
-    config.reflection_target = resolve_reflection_target(config)
+    config = resolve_gepa(load_run_config(GepaRunConfig, argv, GEPA_OPTIONS, "env", GEPA_USAGE))
     run_dir = new_run_dir(config)
+    config = in_run_dir(config, run_dir)
     return run(run_dir, served_process_specs(config, run_dir, "gepa", "orchestrator.gepa"), use_tmux=False,
                session_name="", exit_code_from="gepa")

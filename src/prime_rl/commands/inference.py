@@ -16,7 +16,7 @@ from prime_rl.config import RLConfig
 from prime_rl.launch.deployment import count_gpus, describe, inference_bindings, replica_specs
 from prime_rl.launch.launcher import run, tmux_available
 from prime_rl.launch.ports import port_problems
-from prime_rl.launch.resolve import checked_model_path, resolve
+from prime_rl.launch.resolve import checked_model_path, resolve, served
 from prime_rl.rundir import logs_dir
 from prime_rl.settings import ConfigError, load_config, split_argv
 
@@ -63,8 +63,8 @@ def main(argv: list[str]) -> int:
     if problems:
         raise ConfigError("\n".join(problems))
     make_dir(server_dir, f"{warm.SERVERS_DIR_ENV} ({warm.servers_dir()})")
-    config.inference.output_dir = server_dir
-    key_file = draw_key(config, server_dir, dry_run="--dry-run" in argv)
+    key, key_file = draw_key(config, server_dir, dry_run="--dry-run" in argv)
+    config = served(config, server_dir, key)
     specs = replica_specs(config, server_dir, placement.nodes[0], multi=len(placement.replicas) > 1)
     states = warm.server_states(config, placement.replicas, files, os.getpid(), logs_dir(server_dir), key_file)
     for line in describe(dataclasses.replace(placement, teacher=None), config):  # it serves the replicas alone
@@ -81,19 +81,19 @@ def main(argv: list[str]) -> int:
         watch.stop()  # after the servers stopped: no state file outlives its server
 
 
-def draw_key(config: RLConfig, server_dir: Path, dry_run: bool) -> Path | None:
+def draw_key(config: RLConfig, server_dir: Path, dry_run: bool) -> tuple[str | None, Path | None]:
     """Without `inference.api_key`, a fresh key for the servers (their resolved configs are then
     0600, deployment.write_config), in ``server_dir/api_key`` for the runs that attach (none in a
-    dry run, which shows the servers as they would start). Returns that file; None: the key was given."""
+    dry run, which shows the servers as they would start). Returns the key and that file; (None,
+    None): the key was given."""
     if config.inference.api_key:
-        return None
+        return None, None
     if dry_run:
-        config.inference.api_key = secrets.token_urlsafe(32)
-        return None
-    config.inference.api_key, key_file = warm.draw_key(server_dir)
+        return secrets.token_urlsafe(32), None
+    key, key_file = warm.draw_key(server_dir)
     print(f"[prime-rl] no inference.api_key: the servers require a drawn one, in {key_file} (readable by you only); "
           "runs of this config on this machine attach with it", flush=True)
-    return key_file
+    return key, key_file
 
 
 def print_ready(state: warm.ServerState, path: Path) -> None:

@@ -15,13 +15,12 @@ from prime_rl.commands.common import RL_OUTPUT_DIR, checked_output_dir, make_dir
 from prime_rl.config import RLConfig
 from prime_rl.launch.deployment import (
     Placement, count_gpus, describe, gpu_memory_bytes, plan_single_node, process_specs, rl_bindings,
-    with_server_key,
 )
 from prime_rl.launch.launcher import run, tmux_available
 from prime_rl.launch.memory import estimate_run
 from prime_rl.vllm_command import on_cpu
 from prime_rl.launch.ports import port_problems
-from prime_rl.launch.resolve import checked_model_path, resolve
+from prime_rl.launch.resolve import checked_model_path, placed, resolve, resumed, with_server_key
 from prime_rl.launch.resume import ResumeRefused, check_resumable, choose_resume_step, rewind
 from prime_rl.rundir import (
     RUN_MARKER,
@@ -33,7 +32,6 @@ from prime_rl.rundir import (
     run_marker_path,
     run_marker_problem,
     weights_dir,
-    weights_step_dir,
     write_failed,
     write_run_marker,
 )
@@ -74,7 +72,8 @@ def main(argv: list[str]) -> int:
     if resuming:
         if clean:
             raise ConfigError("--clean and --resume contradict each other: start over or continue, not both")
-        step, leftovers = prepare_resume(config, run_dir, resume_step), []
+        step, leftovers = resume_step_of(config, run_dir, resume_step), []
+        config = resumed(config, run_dir, step)
         print(f"[prime-rl] resuming {run_dir} from checkpoint step {step}", flush=True)
     else:
         step, leftovers = None, check_run_dir(run_dir, clean, dry_run)
@@ -87,9 +86,10 @@ def main(argv: list[str]) -> int:
     gpus = count_gpus()
     placement = planned(config, gpus)
     check_engine_build(gpus, dry_run)
-    servers = attached_servers(config, placement, run_dir, step)  # before the port check: they hold our ports
+    config, servers = attached_servers(config, placement, run_dir, step)  # before the port check: they hold our ports
     if not servers:  # our own servers: every route needs a key, drawn when the config names none
         config = with_server_key(config)
+    config = placed(config, placement)
     check_ports(config, placement, dry_run, serve=not servers)
     memory = checked_memory(config, placement, gpus)  # before anything is written: a run that cannot fit stops here
     make_dir(run_dir, RL_OUTPUT_DIR)
@@ -115,19 +115,20 @@ def main(argv: list[str]) -> int:
                    status=StatusOptions.of(config, quiet="--quiet" in launcher_flags))
 
 
-def attached_servers(config: RLConfig, placement: Placement, run_dir: Path, resume_step: int | None) -> list[warm.ServerState]:
-    """The warm servers (`prime-rl inference`) the run attaches to, the orchestrator pointed at
+def attached_servers(config: RLConfig, placement: Placement, run_dir: Path,
+                     resume_step: int | None) -> tuple[RLConfig, list[warm.ServerState]]:
+    """The warm servers (`prime-rl inference`) the run attaches to, and the config pointed at
     them; [] = the run starts its own (``prime_rl.launch.warm`` says when and what is refused)."""
     found = warm.find_servers(placement.replicas)
     if not warm.attach_decision(config.inference.attach, found, config.inference.host):
-        return []
+        return config, []
     servers = [f.state for f in found]
     warm.check_attachable(config, servers)
-    weights = warm.attach(config, servers, run_dir, resume_step)
+    config, weights = warm.attach(config, servers, run_dir, resume_step)
     urls = ", ".join(s.url for s in servers)
     print(f"[prime-rl] attaching to the warm inference server at {urls} (`prime-rl inference`, pid {servers[0].pid}): "
           f"it loads this run's weights {weights} before sampling and keeps running after the run", flush=True)
-    return servers
+    return config, servers
 
 
 def submit_slurm(config: RLConfig, run_dir: Path, dry_run: bool, tmux: bool, start: Callable[[], None]) -> int:
@@ -197,21 +198,14 @@ def checked_memory(config: RLConfig, placement: Placement, gpus: int) -> list[st
     return estimate.lines
 
 
-def prepare_resume(config: RLConfig, run_dir: Path, requested: int | None) -> int:
-    """Pick and check the checkpoint and point every process at it (``start_run_dir`` rewinds
-    the run directory to it, once every other check passed too)."""
+def resume_step_of(config: RLConfig, run_dir: Path, requested: int | None) -> int:
+    """Pick and check the checkpoint to continue from (``resumed`` points every process at it;
+    ``start_run_dir`` rewinds the run directory to it, once every other check passed too)."""
     try:
         step = choose_resume_step(run_dir, requested)
         check_resumable(run_dir, step, config.trainer.max_steps)
     except ResumeRefused as e:
         raise ConfigError(str(e)) from None
-    config.trainer.ckpt.resume_step = step
-    config.orchestrator.ckpt.resume_step = step
-    # Inference starts on the checkpoint's weights, served under the name requests use. With
-    # LoRA it serves the base model, and the orchestrator loads the checkpoint's adapter first.
-    if config.trainer.lora is None:
-        config.inference.served_model_name = config.inference.served_model_name or config.inference.model
-        config.inference.model = str(weights_step_dir(run_dir, step))
     return step
 
 

@@ -18,7 +18,6 @@ This module plans and writes each process's config; ``prime_rl.launch.launcher``
 from __future__ import annotations
 
 import os
-import secrets
 import shutil
 import subprocess
 import sys
@@ -26,17 +25,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import zmq
 
-from prime_rl.config import InferenceConfig, RLConfig, TransportConfig
+from prime_rl.config import InferenceConfig, RLConfig
 from prime_rl.keys import holds_secret
 from prime_rl.launch.launcher import ProcessSpec
 from prime_rl.launch.ports import Binding
-from prime_rl.launch.resolve import resolve
 from prime_rl.rundir import config_path, write_json_atomic
 from prime_rl.launch.teacher import teacher_inference
 from prime_rl.vllm_command import shell_line
-from prime_rl.wire import DEFAULT_MAX_FRAME_BYTES, max_frame_bytes
 
 # One thread per process: the processes share the cores (docs/machine_facts.md), and
 # OMP_WAIT_POLICY=PASSIVE stops idle OpenMP threads from spinning.
@@ -269,21 +265,15 @@ def process_specs(
     config: RLConfig, run_dir: Path, placement: Placement, node: int = 0, job_id: str = "", serve: bool = True
 ) -> list[ProcessSpec]:
     """Write the configs of ``node``'s processes to RUN/configs/ and return how to start them;
-    without ``serve``, no inference replicas (a run attached to warm servers, ``prime_rl.launch.warm``)."""
-    if len(placement.nodes) > 1 and not has_transport_keys(config):
-        # each node resolves its own configs: keys drawn here would differ from node to node
-        raise PlacementError("a multi-node job needs the transport keys in its resolved config (RUN/slurm/rl.json, written by `prime-rl --slurm`)")
-    config = resolve_transport(resolve(config))
+    without ``serve``, no inference replicas (a run attached to warm servers, ``prime_rl.launch.warm``).
+    ``config`` is resolved and placed (``prime_rl.launch.resolve.placed``): this only serializes it."""
+    if config.orchestrator.transport.curve_server_secret is None:
+        raise PlacementError("process_specs: the config is not placed (prime_rl.launch.resolve.placed): no transport keys")
     plan = placement.nodes[node]
     python = sys.executable
     specs = replica_specs(config, run_dir, plan, multi=len(placement.replicas) > 1) if serve else []
     if plan.orchestrator:
-        orchestrator = config.orchestrator.model_copy(deep=True)
-        urls = [r.url for r in placement.replicas]
-        orchestrator.client.base_url = urls[0] if len(urls) == 1 else urls
-        orchestrator.transport.host = placement.orchestrator_host
-        orchestrator.transport.bind_host = placement.bind_host or orchestrator.transport.bind_host
-        path = write_config(run_dir, "orchestrator", orchestrator.model_dump(mode="json"))
+        path = write_config(run_dir, "orchestrator", config.orchestrator.model_dump(mode="json"))
         specs.append(ProcessSpec("orchestrator", [python, "-m", "orchestrator.main", "--config", str(path)],
                                  env={**QUIET, "OMP_NUM_THREADS": "1"}))
     if plan.trainer is not None:
@@ -291,85 +281,6 @@ def process_specs(
     if placement.teacher is not None and node == 0:
         specs.append(teacher_spec(config, run_dir, placement.teacher, python))
     return specs
-
-
-# --------------------------------------------------------------------------- the servers' key
-
-
-def with_server_key(config: RLConfig) -> RLConfig:
-    """``config`` with a key drawn for the vLLM servers the run starts itself, when it names
-    none (a copy; as is when it has one). vLLM's admin routes (`/pause`, `/collective_rpc`
-    loading another folder, `/server_info`) answer whoever reaches the port, on loopback any
-    local user; with a key every route requires it (``inference.auth``) and the orchestrator
-    sends it only to a server that proved it holds it (``prime_rl.keys``). Drawn per launch,
-    like the transport keys; the configs holding it are written 0600 (``write_config``). Not
-    for a run attached to warm servers: it brings their key (``prime_rl.launch.warm``)."""
-    if config.inference.api_key is not None:
-        return config
-    config = config.model_copy(deep=True)
-    key = secrets.token_urlsafe(32)
-    config.inference.api_key = key
-    if config.orchestrator.client.api_key is None:
-        config.orchestrator.client.api_key = key
-    teacher = config.orchestrator.teacher
-    if teacher is not None and config.teacher is not None and config.teacher.model is not None and teacher.client.api_key is None:
-        teacher.client.api_key = key  # the local teacher's vLLM runs with the inference section's key
-    return config
-
-
-# --------------------------------------------------------------------------- transport keys and size
-
-
-PER_TURN_SAMPLES = 8
-"""Samples per rollout the frame cap allows for with `multi_turn = "per_turn"` (one per turn); 2 otherwise (a re-rendered conversation splits a rollout)."""
-
-
-def has_transport_keys(config: RLConfig) -> bool:
-    return config.orchestrator.transport.curve_server_secret is not None or config.trainer.transport.curve_client_secret is not None
-
-
-def resolve_transport(config: RLConfig) -> RLConfig:
-    """``config`` with the rollout transport resolved for both sides (a copy; as is when done):
-
-    - CURVE keys drawn per run, one keypair per side: the orchestrator gets its server secret
-      and the trainer's public key (the only client it admits), the trainer its own secret and
-      the server's public key. Always, loopback included: any local user can connect to a
-      port on 127.0.0.1 and take batches. The configs holding them are written 0600
-      (``write_config``) and logged redacted (``prime_rl.keys``).
-    - ``max_message_bytes``, unless set: every sample of a step at ``seq_len`` tokens (one rank
-      may get them all; with the teacher's top-k tokens at each, when the loss asks for them),
-      at least the wire's default.
-
-    The top-level `[transport]` is cleared: it was copied into both sections at validation and
-    would conflict with their keys when RUN/slurm/rl.json is read back."""
-    orchestrator, trainer = config.orchestrator.transport, config.trainer.transport
-    if not has_transport_keys(config):
-        server_public, server_secret = (k.decode() for k in zmq.curve_keypair())
-        client_public, client_secret = (k.decode() for k in zmq.curve_keypair())
-        orchestrator = orchestrator.model_copy(update={"curve_server_secret": server_secret, "curve_client_public": client_public})
-        trainer = trainer.model_copy(update={"curve_client_secret": client_secret, "curve_server_public": server_public})
-    elif not transport_keys_match(orchestrator, trainer):
-        raise PlacementError("transport: the trainer's and the orchestrator's CURVE keys are not one pair; drop them all to get fresh ones")
-    per_rollout = PER_TURN_SAMPLES if config.orchestrator.multi_turn == "per_turn" else 2
-    distill = config.trainer.loss.distill
-    top_k = distill.top_k if distill is not None else 0
-    samples = config.orchestrator.batch_size * per_rollout
-    cap = max(DEFAULT_MAX_FRAME_BYTES, max_frame_bytes(samples, config.orchestrator.seq_len, top_k))
-    orchestrator, trainer = (t if t.max_message_bytes else t.model_copy(update={"max_message_bytes": cap}) for t in (orchestrator, trainer))
-    if (orchestrator, trainer, None) == (config.orchestrator.transport, config.trainer.transport, config.transport):
-        return config
-    config = config.model_copy(deep=True)
-    config.orchestrator.transport, config.trainer.transport, config.transport = orchestrator, trainer, None
-    return config
-
-
-def transport_keys_match(orchestrator: TransportConfig, trainer: TransportConfig) -> bool:
-    """Whether each side holds the other's public key (a side without keys matches nothing)."""
-    if orchestrator.curve_server_secret is None or trainer.curve_client_secret is None:
-        return False
-    server_public = zmq.curve_public(orchestrator.curve_server_secret.encode()).decode()
-    client_public = zmq.curve_public(trainer.curve_client_secret.encode()).decode()
-    return trainer.curve_server_public == server_public and orchestrator.curve_client_public == client_public
 
 
 def replica_specs(config: RLConfig, run_dir: Path, plan: NodePlan, multi: bool) -> list[ProcessSpec]:
@@ -407,10 +318,8 @@ def server_spec(run_dir: Path, name: str, inference: InferenceConfig, gpus: tupl
 def trainer_spec(config: RLConfig, run_dir: Path, placement: Placement, plan: NodePlan, python: str, job_id: str) -> ProcessSpec:
     """One process, torchrun on one node, or this node's part of a multi-node torchrun."""
     t = plan.trainer
-    trainer = config.trainer.model_copy(deep=True)
-    trainer.transport.host = placement.orchestrator_host
     name = "trainer" if not plan.trainer_node_rank else f"trainer-{plan.trainer_node_rank}"
-    path = write_config(run_dir, name, trainer.model_dump(mode="json"))
+    path = write_config(run_dir, name, config.trainer.model_dump(mode="json"))
     cmd = [python, "-m", "trainer.rl", "--config", str(path)]
     if t.nnodes > 1:
         # c10d hands out node ranks in the order the nodes join (torchrun ignores --node-rank

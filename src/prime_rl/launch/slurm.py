@@ -27,11 +27,11 @@ from pathlib import Path
 
 from prime_rl.config import RLConfig, SlurmConfig
 from prime_rl.launch.deployment import (
-    Placement, count_gpus, describe, plan_multi_node, plan_single_node, process_specs, resolve_transport, with_server_key,
+    Placement, count_gpus, describe, plan_multi_node, plan_single_node, process_specs,
 )
 from prime_rl.launch.launcher import run, tmux_available, tmux_session_name
 from prime_rl.rundir import write_json_atomic
-from prime_rl.launch.resolve import resolve
+from prime_rl.launch.resolve import placed, resolve, with_server_key, with_transport
 from prime_rl.settings import ConfigError
 from prime_rl.observe.status import StatusOptions
 
@@ -63,7 +63,7 @@ def prepare(config: RLConfig, run_dir: Path, tmux: bool = True) -> tuple[Path, P
     # beyond loopback on several nodes, and any user of a shared node reaches loopback.
     config = with_server_key(config)
     # Transport keys drawn once, here: every node resolves its own processes from rl.json.
-    config = resolve_transport(config)
+    config = with_transport(config)
     resolved = folder / "rl.json"
     write_json_atomic(resolved, config.model_dump(mode="json"), private=True)
     script = folder / "job.sbatch"
@@ -207,6 +207,7 @@ def node_main(argv: list[str]) -> int:
         raise ConfigError(f"{argv[0]}: no [slurm] section")
     run_dir = Path(config.trainer.output_dir)
     placement, index, name = node_placement(config)
+    config = placed(config, placement)
     specs = process_specs(config, run_dir, placement, node=index, job_id=os.environ.get("SLURM_JOB_ID", ""))
     mine = [line for line in describe(placement) if len(placement.nodes) == 1 or line.startswith(f"node {index} ")]
     for line in mine:

@@ -19,20 +19,16 @@ from prime_rl.config import ClientConfig, InferenceConfig, RLConfig, TeacherClie
 from prime_rl.settings import ConfigError
 
 
-def resolve_teacher(config: RLConfig) -> RLConfig:
-    """``config`` with `orchestrator.teacher` filled from `[teacher]` (a copy; as is without a
-    teacher or when it is filled already, as in a SLURM job's resolved config)."""
+def teacher_client(config: RLConfig) -> TeacherClientConfig:
+    """The orchestrator's teacher client from `[teacher]` (``resolve`` sets it as `orchestrator.teacher`)."""
     teacher = config.teacher
-    if teacher is None or config.orchestrator.teacher is not None:
-        return config
-    config = config.model_copy(deep=True)
+    assert teacher is not None
     distill = config.trainer.loss.distill
-    config.orchestrator.teacher = TeacherClientConfig(
+    return TeacherClientConfig(
         **served_teacher(config, teacher),
         system_prompt=teacher_system_prompt(teacher),
         top_k=distill.top_k if distill is not None else 0,
     )
-    return config
 
 
 def served_teacher(config: RLConfig, teacher: TeacherConfig) -> dict:

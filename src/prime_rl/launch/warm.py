@@ -60,6 +60,7 @@ from prime_rl.registry import declares_tools
 from prime_rl.launch.deployment import Replica
 from prime_rl.keys import IDENTITY_PATH, new_nonce, proves_identity
 from prime_rl.launch.ports import try_bind
+from prime_rl.launch.resolve import attached
 from prime_rl.rundir import weights_step_dir, write_json_atomic
 from prime_rl.settings import ConfigError
 
@@ -448,18 +449,14 @@ def key_not_proven(url: str, key: str, timeout_s: float) -> str | None:
     return None if proves_identity(key, nonce, answer) else "its identity proof is wrong: it holds another API key"
 
 
-def attach(config: RLConfig, states: list[ServerState], run_dir: Path, resume_step: int | None) -> Path:
-    """Point the orchestrator at the warm servers (the same URLs as the run's own would have):
-    requests name the served model, prompts use the run's tokenizer, and the run's starting
-    weights are loaded first (its model, or `weights/step_N` on a resume). Returns them."""
-    orchestrator = config.orchestrator
-    if orchestrator.client.api_key is None:  # the key the server drew, when the run has none of its own
-        orchestrator.client.api_key = run_key(config, states)
-    weights = weights_step_dir(run_dir, resume_step) if resume_step is not None else model_folder(config.trainer.model.name)
-    orchestrator.initial_weights = Path(weights)
-    orchestrator.tokenizer = orchestrator.tokenizer or orchestrator.model
-    orchestrator.model = states[0].served_model_name
-    return Path(weights)
+def attach(config: RLConfig, states: list[ServerState], run_dir: Path, resume_step: int | None) -> tuple[RLConfig, Path]:
+    """The run pointed at the warm servers (the same URLs as the run's own would have; a copy,
+    ``prime_rl.launch.resolve.attached``): requests name the served model, prompts use the run's
+    tokenizer, and the run's starting weights are loaded first (its model, or `weights/step_N`
+    on a resume), which it returns too."""
+    key = run_key(config, states) if config.orchestrator.client.api_key is None else None  # the server's, when the run has none
+    weights = Path(weights_step_dir(run_dir, resume_step) if resume_step is not None else model_folder(config.trainer.model.name))
+    return attached(config, states[0].served_model_name, weights, key), weights
 
 
 def in_use(state: ServerState, lease: dict[str, Any]) -> str:
