@@ -17,6 +17,8 @@ import random
 import string
 from typing import Literal
 
+from rapidfuzz.distance import LCSseq
+
 from prime_rl.envs import Parser, Rubric, SingleTurnEnv, XMLParser
 
 SYSTEM_PROMPT = "Reverse the text character by character."
@@ -27,17 +29,8 @@ XML_SYSTEM_PROMPT = (
 
 
 def lcs_length(a: str, b: str) -> int:
-    """Length of the longest common subsequence (classic O(len(a) * len(b)) table, one row kept)."""
-    if len(a) < len(b):
-        a, b = b, a
-    row = [0] * (len(b) + 1)
-    for ca in a:
-        prev_diag = 0  # row[j - 1] of the previous row
-        for j, cb in enumerate(b, start=1):
-            above = row[j]
-            row[j] = prev_diag + 1 if ca == cb else max(row[j], row[j - 1])
-            prev_diag = above
-    return row[-1]
+    """Length of the longest common subsequence (rapidfuzz's bit-parallel LCS, in C++)."""
+    return LCSseq.similarity(a, b)
 
 
 def lcs_ratio(a: str, b: str) -> float:
