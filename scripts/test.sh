@@ -13,7 +13,6 @@ install_bwrap() {
 }
 command -v bwrap >/dev/null || install_bwrap \
     || echo "warning: bwrap is missing and could not be installed (apt-get install bubblewrap): sandbox tests will skip" >&2
-# the suite tests every feature: the extras they need (pyproject.toml), all but wandb's
-uv sync --quiet --compile-bytecode --extra math --extra wordle --extra wiki-search --extra gepa --extra lora
+uv sync --quiet --compile-bytecode "${FEATURE_EXTRAS[@]}"  # scripts/env.sh: every feature's extra
 uv run --no-sync ruff check --quiet src tests scripts benchmarks
 exec uv run --no-sync pytest "$@"

@@ -123,9 +123,13 @@ def test_an_import_error_inside_an_installed_library_is_not_blamed_on_the_extra(
 
 def test_every_extra_is_declared_and_installed_by_the_test_script():
     """EXTRAS names extras pyproject.toml declares with that library, and scripts/test.sh syncs
-    each of them (the suite tests every feature)."""
+    each of them (the suite tests every feature), as scripts/env.sh's FEATURE_EXTRAS."""
     declared = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
-    synced = set(re.findall(r"--extra ([\w-]+)", (REPO / "scripts" / "test.sh").read_text()))
+    listed = subprocess.run(["bash", "-c", 'source scripts/env.sh && echo "${FEATURE_EXTRAS[@]}"'], cwd=REPO,
+                            capture_output=True, text=True, timeout=60, check=True).stdout
+    synced = set(re.findall(r"--extra ([\w-]+)", listed))
+    sync_lines = [line for line in (REPO / "scripts" / "test.sh").read_text().splitlines() if line.startswith("uv sync")]
+    assert sync_lines and all('"${FEATURE_EXTRAS[@]}"' in line for line in sync_lines), sync_lines
     for distribution, extra in EXTRAS.values():
         assert any(re.match(rf"{re.escape(distribution)}\b", r) for r in declared.get(extra, [])), (extra, declared)
         assert extra in synced, (extra, synced)
