@@ -31,9 +31,9 @@ Data, in order of precedence:
   ``demonstration(example)`` turns into an SFT conversation with real tool outputs.
 
 Questions are split into train and a held-out eval set by a seeded shuffle (``seed``;
-``num_eval_examples=-1`` holds out a fifth).
+``num_eval_examples=-1`` holds out a fifth, at least one).
 
-The BM25 index (``bm25s``) is cached on disk under ``<cache root>/<sha256 of the corpus>``:
+The BM25 index (``bm25s``, the `wiki-search` extra) is cached on disk under ``<cache root>/<sha256 of the corpus>``:
 the root is ``cache_dir`` when given, else ``$PRIME_RL_CACHE/wiki_search``, else
 ``~/.cache/prime-rl/wiki_search``. A changed corpus gets a new key and its own index; a
 cache that cannot be read back is removed and rebuilt; a new index is written to a

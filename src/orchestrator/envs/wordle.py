@@ -29,7 +29,7 @@ included); ``format_reward`` (0.2) the ``XMLParser(["guess"])`` format reward.
 Secret words: ``num_train_examples`` (2000) and ``num_eval_examples`` (20) words, disjoint,
 drawn with ``seed`` (0) from the word list: ``words_path`` (a text file, one word a line) or
 the 5-letter lowercase words among ``wordfreq``'s 30,000 most common English words (about
-3,600; no download). ``data_path`` gives the secret words instead (rows with ``answer``);
+3,600; no download; the `wordle` extra). ``data_path`` gives the secret words instead (rows with ``answer``);
 they are split into train and eval by a seeded shuffle.
 """
 
