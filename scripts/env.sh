@@ -12,3 +12,7 @@ if [ -z "${UV_FIND_LINKS:-}" ]; then
     links="${PIP_FIND_LINKS:-$(python3 -m pip config get global.find-links 2>/dev/null || true)}"
     export UV_FIND_LINKS="${links:-https://download.pytorch.org/whl/cpu/torch/}"
 fi
+# The extras (pyproject.toml) of every feature but W&B: what scripts/test.sh installs (the suite
+# tests them all) and scripts/train_env.sh (any built-in environment). A plain `uv sync`
+# installs none of them, and the quickstart (reverse-text) needs none.
+FEATURE_EXTRAS=(--extra math --extra wordle --extra wiki-search --extra gepa --extra lora)

@@ -13,6 +13,6 @@ install_bwrap() {
 }
 command -v bwrap >/dev/null || install_bwrap \
     || echo "warning: bwrap is missing and could not be installed (apt-get install bubblewrap): sandbox tests will skip" >&2
-uv sync --quiet --compile-bytecode
+uv sync --quiet --compile-bytecode "${FEATURE_EXTRAS[@]}"  # scripts/env.sh: every feature's extra
 uv run --no-sync ruff check --quiet src tests scripts benchmarks
 exec uv run --no-sync pytest "$@"

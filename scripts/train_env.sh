@@ -39,7 +39,7 @@ SFT_EXAMPLES="${SFT_NUM_EXAMPLES:-$SFT_EXAMPLES}"
 
 source scripts/env.sh
 if [ -z "${NO_SYNC:-}" ]; then
-    uv sync --quiet --compile-bytecode
+    uv sync --quiet --compile-bytecode "${FEATURE_EXTRAS[@]}"  # scripts/env.sh: the environments' extras among them
 fi
 run() { uv run --no-sync "$@"; }
 

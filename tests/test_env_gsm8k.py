@@ -11,14 +11,8 @@ from prime_rl.config import EnvConfig
 from prime_rl.envs import DatasetUnavailable, ModelReply, Turn
 
 from orchestrator.envs import load_env
-from orchestrator.envs.gsm8k import (
-    BOXED_SYSTEM_PROMPT,
-    HASH_SYSTEM_PROMPT,
-    answers_match,
-    demonstration,
-    final_answer,
-    load_environment,
-)
+from orchestrator.envs.gsm8k import BOXED_SYSTEM_PROMPT, HASH_SYSTEM_PROMPT, demonstration, load_environment
+from orchestrator.envs.math_answers import answers_match, final_answer
 
 
 class ScriptedClient:

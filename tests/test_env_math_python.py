@@ -256,7 +256,9 @@ def test_hub_offline():
         ({"max_turns": 1}, "max_turns must be an integer >= 2"),
         ({"seed": "x"}, "seed must be an integer"),
         ({"source": "web"}, "source must be 'auto', 'hub' or 'generated'"),
-        ({"timeout_s": 0}, "wall_s must be positive"),
+        ({"timeout_s": 0}, "math-python: timeout_s must be a number > 0, got 0"),
+        ({"scratch_mb": 2048}, "scratch_mb [(]2048[)] must be below call_memory_mb"),  # the sandbox's own check
+        ({"timeout": 5}, "math-python: unknown argument 'timeout' [(]did you mean 'timeout_s'[?][)]"),
     ],
 )
 def test_argument_errors(args, message):

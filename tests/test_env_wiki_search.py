@@ -416,14 +416,14 @@ def test_hub_offline(cache):
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        ({"source": "web"}, "source must be one of"),
+        ({"source": "web"}, "source must be 'auto', 'hub', 'local' or 'generated', got 'web'"),
         ({"source": "local"}, "source='local' needs corpus_path and questions_path"),
         ({"top_k": 0}, "top_k must be an integer >= 1"),
         ({"max_turns": 0}, "max_turns must be an integer >= 1"),
         ({"num_eval_examples": 144}, "144 questions, not more than num_eval_examples=144"),
         ({"num_train_examples": 0}, "num_train_examples must be an integer >= 1 or -1"),
         ({"seed": "1"}, "seed must be an integer"),
-        ({"judge_timeout_s": 0}, "judge_timeout_s must be a number of seconds > 0"),
+        ({"judge_timeout_s": 0}, "judge_timeout_s must be a number > 0, got 0"),
         ({"num_examples": 5, "num_train_examples": 6}, "num_examples is another name"),
     ],
 )

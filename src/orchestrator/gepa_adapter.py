@@ -28,8 +28,6 @@ from prime_rl.envs.env import with_system_prompt
 COMPONENT = "system_prompt"
 """The one component GEPA evolves."""
 
-DEFAULT_COLUMNS = ("query", "completion", "answer", "reward", "error")
-
 
 class NoSystemPrompt(ValueError):
     """The environment has no system prompt to optimize."""

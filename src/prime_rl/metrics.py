@@ -24,14 +24,6 @@ class Sink(Protocol):
     def close(self) -> None: ...
 
 
-class NullSink:
-    def log(self, row: dict[str, Any]) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
 class JsonlSink:
     def __init__(self, path: Path):
         self.path = Path(path)

@@ -25,7 +25,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 MARKER = "STABLE"
-PROCESSES = ("inference", "orchestrator", "trainer")
 _STEP_DIR = re.compile(r"step_(\d+)")
 
 

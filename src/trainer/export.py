@@ -21,6 +21,7 @@ import shutil
 import sys
 from pathlib import Path
 
+from prime_rl.extras import import_extra
 from prime_rl.rundir import MARKER
 from trainer.lora import ADAPTER_CONFIG, is_adapter_folder
 from trainer.weights import copy_tokenizer_files, write_hf_folder
@@ -38,11 +39,11 @@ def adapter_base(weights: Path, override: str | None) -> str:
 
 def merged_model(weights: Path, base: str):
     """The base model with the adapter of ``weights`` merged in (a plain transformers model)."""
-    from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
+    peft = import_extra("peft", "merging a LoRA adapter")
     model = AutoModelForCausalLM.from_pretrained(base, dtype="auto")  # the base checkpoint's dtype
-    return PeftModel.from_pretrained(model, weights).merge_and_unload()
+    return peft.PeftModel.from_pretrained(model, weights).merge_and_unload()
 
 
 def export(weights: Path, output: Path, merge: bool, base: str | None = None) -> str:

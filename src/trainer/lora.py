@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from prime_rl.config import LoraConfig
+from prime_rl.extras import import_extra
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -22,9 +23,7 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 def add_lora(model: nn.Module, cfg: LoraConfig) -> nn.Module:
     """Wrap ``model`` in a ``PeftModel`` with one trainable adapter; every other weight frozen."""
-    from peft import LoraConfig as PeftLoraConfig
-    from peft import get_peft_model
-
+    peft = import_extra("peft", "LoRA ([trainer.lora])")
     names = {name.rsplit(".", 1)[-1] for name, module in model.named_modules() if isinstance(module, nn.Linear)}
     missing = [m for m in cfg.target_modules if m not in names]
     if missing:
@@ -32,7 +31,7 @@ def add_lora(model: nn.Module, cfg: LoraConfig) -> nn.Module:
             f"trainer.lora.target_modules: {missing} name no linear layer of {type(model).__name__} "
             f"(its linear layers: {sorted(names)})"
         )
-    peft_cfg = PeftLoraConfig(
+    peft_cfg = peft.LoraConfig(
         r=cfg.rank,
         lora_alpha=cfg.alpha,
         lora_dropout=cfg.dropout,
@@ -40,7 +39,7 @@ def add_lora(model: nn.Module, cfg: LoraConfig) -> nn.Module:
         bias="none",
         task_type="CAUSAL_LM",
     )
-    return get_peft_model(model, peft_cfg)
+    return peft.get_peft_model(model, peft_cfg)
 
 
 def is_lora(model: nn.Module) -> bool:

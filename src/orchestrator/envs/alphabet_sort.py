@@ -42,11 +42,14 @@ import difflib
 import json
 import random
 import re
-from pathlib import Path
 from collections.abc import Callable
-from typing import Any
+from pathlib import Path
+from typing import Any, ClassVar, Self
 
 from prime_rl.envs import Example, Messages, MultiTurnEnv, Rubric, State, load_rows
+from pydantic import Field, model_validator
+
+from orchestrator.envs.common import CountOrAll, EnvArgs, Source, held_out_split
 
 ENV = "alphabet-sort"
 NEW_MARK = " // new name!"
@@ -308,104 +311,88 @@ class AlphabetSortEnv(MultiTurnEnv):
         return [{"role": "user", "content": "Continue"}]
 
 
-def _check_args(**a: Any) -> None:
-    def fail(arg: str, why: str) -> None:
-        raise ValueError(f"{ENV}: {arg} {why}, got {a[arg]!r}")
+class AlphabetSortArgs(EnvArgs):
+    """alphabet-sort's arguments: verifiers' alphabet_sort, plus where the names come from."""
 
-    def is_int(value: Any) -> bool:
-        return isinstance(value, int) and not isinstance(value, bool)
+    env: ClassVar[str] = ENV
+    max_turns: int = Field(3, ge=1)
+    """Most turns of an example."""
+    min_turns: int = Field(1, ge=1)
+    """Fewest turns of an example."""
+    min_names_per_turn: int = Field(1, ge=1)
+    """Fewest names a turn adds."""
+    max_names_per_turn: int = Field(5, ge=1)
+    """Most names a turn adds."""
+    similarity_power: float = Field(4, gt=0)
+    """The reward raises the similarity to this power (per turn or of the mean: `power_per_turn`)."""
+    power_per_turn: bool = True
+    """Mean of each turn's similarity to the power, rather than the mean's power."""
+    hf_dataset_path: str = "kalomaze/alphabetic-arxiv-authors-it1"
+    """The hub dataset of `names` lists."""
+    seed: int = 1337420
+    """Seeds the examples and the held-out split."""
+    num_examples: CountOrAll = -1
+    """Train examples; -1: every hub or file row (2000 when generated)."""
+    num_eval_examples: int = Field(100, ge=0)
+    """Held-out examples."""
+    source: Source = "auto"
+    """`auto` (the hub when it answers, else generated), `hub` or `generated`."""
+    data_path: str | None = None
+    """A file of rows with a `names` list instead of the hub."""
+    names_path: str | None = None
+    """A text file of names, one "First Last" a line: examples draw from it (no hub)."""
 
-    for arg in ("max_turns", "min_turns", "min_names_per_turn", "max_names_per_turn"):
-        if not is_int(a[arg]) or a[arg] < 1:
-            fail(arg, "must be an integer >= 1")
-    if a["min_turns"] > a["max_turns"]:
-        raise ValueError(f"{ENV}: need min_turns <= max_turns, got min_turns={a['min_turns']}, max_turns={a['max_turns']}")
-    if a["min_names_per_turn"] > a["max_names_per_turn"]:
-        raise ValueError(
-            f"{ENV}: need min_names_per_turn <= max_names_per_turn, got "
-            f"min_names_per_turn={a['min_names_per_turn']}, max_names_per_turn={a['max_names_per_turn']}"
-        )
-    if not (is_int(a["similarity_power"]) or isinstance(a["similarity_power"], float)) or a["similarity_power"] <= 0:
-        fail("similarity_power", "must be a number > 0")
-    if not isinstance(a["power_per_turn"], bool):
-        fail("power_per_turn", "must be true or false")
-    if not is_int(a["seed"]):
-        fail("seed", "must be an integer")
-    if not is_int(a["num_examples"]) or a["num_examples"] == 0 or a["num_examples"] < -1:
-        fail("num_examples", "must be >= 1, or -1 (all hub/file rows; 2000 when generated)")
-    if not is_int(a["num_eval_examples"]) or a["num_eval_examples"] < 0:
-        fail("num_eval_examples", "must be an integer >= 0")
-    if a["source"] not in ("auto", "hub", "generated"):
-        fail("source", "must be 'auto', 'hub' or 'generated'")
+    @model_validator(mode="after")
+    def _ranges(self) -> Self:
+        for low, high in (("min_turns", "max_turns"), ("min_names_per_turn", "max_names_per_turn")):
+            if getattr(self, low) > getattr(self, high):
+                raise ValueError(f"need {low} <= {high}, got {low}={getattr(self, low)}, {high}={getattr(self, high)}")
+        return self
 
 
-def load_environment(
-    max_turns: int = 3,
-    min_turns: int = 1,
-    min_names_per_turn: int = 1,
-    max_names_per_turn: int = 5,
-    similarity_power: float = 4,
-    power_per_turn: bool = True,
-    hf_dataset_path: str = "kalomaze/alphabetic-arxiv-authors-it1",
-    seed: int = 1337420,
-    num_examples: int = -1,
-    num_eval_examples: int = 100,
-    source: str = "auto",
-    data_path: str | None = None,
-    names_path: str | None = None,
-) -> AlphabetSortEnv:
-    """Args as verifiers' alphabet_sort, plus: ``num_examples`` (train examples; -1: every
-    hub/file row, 2000 when generated), ``num_eval_examples`` (held out), ``source``
-    (`auto`: hub when reachable else generated; `hub`; `generated`), ``data_path`` (a file of
-    rows with a `names` list) and ``names_path`` (a text file of names, one a line)."""
-    _check_args(**locals())
+def load_environment(**args: Any) -> AlphabetSortEnv:
+    """alphabet-sort with ``args`` (``AlphabetSortArgs``)."""
+    a = AlphabetSortArgs.parse(args)
     cfg = dict(
-        min_turns=min_turns, max_turns=max_turns, min_names_per_turn=min_names_per_turn, max_names_per_turn=max_names_per_turn
-    )
-    per_row = max_turns * max_names_per_turn
-    wanted = DEFAULT_NUM_GENERATED if num_examples == -1 else num_examples
+        min_turns=a.min_turns, max_turns=a.max_turns, min_names_per_turn=a.min_names_per_turn,
+        max_names_per_turn=a.max_names_per_turn,
+    )  # fmt: skip
+    per_row = a.max_turns * a.max_names_per_turn
+    wanted = DEFAULT_NUM_GENERATED if a.num_examples == -1 else a.num_examples
 
-    pool = read_names_file(names_path) if names_path is not None else None
+    pool = read_names_file(a.names_path) if a.names_path is not None else None
     if pool is not None and len(pool) < per_row:
         raise ValueError(
-            f"{ENV}: names_path {names_path!r} has {len(pool)} distinct names; "
+            f"{ENV}: names_path {a.names_path!r} has {len(pool)} distinct names; "
             f"max_turns * max_names_per_turn = {per_row} are needed"
         )
 
     def generate(count: int, stream: str) -> list[dict]:
-        return generated_rows(count, f"{seed}/{stream}", cfg, pool)
+        return generated_rows(count, f"{a.seed}/{stream}", cfg, pool)
 
-    if pool is not None or (source == "generated" and data_path is None):
+    if pool is not None or (a.source == "generated" and a.data_path is None):
         name_rows, origin = None, "generated"
     else:
         # generate() returning None means "offline": the generated data is built below, from
         # two seeded streams (train and eval), rather than split from one list
         name_rows, origin = load_rows(
-            source=source, data_path=data_path, hub_id=hf_dataset_path, split="train", generate=lambda: None
+            source=a.source, data_path=a.data_path, hub_id=a.hf_dataset_path, split="train", generate=lambda: None
         )
 
     if name_rows is None:  # generated (or drawn from names_path): two seeded streams
-        eval_rows = generate(num_eval_examples, "eval") if num_eval_examples else []
+        eval_rows = generate(a.num_eval_examples, "eval") if a.num_eval_examples else []
         held_out = {r["prompt"][0]["content"] for r in eval_rows}
         train_rows = [r for r in generate(wanted, "train") if r["prompt"][0]["content"] not in held_out]
     else:  # hub or file rows: one example per row, a seeded held-out split
-        rows = rows_from_name_lists(name_rows, seed, cfg)
-        if len(rows) <= num_eval_examples:
-            raise ValueError(
-                f"{ENV}: {origin} gives {len(rows)} usable examples (rows with enough names), "
-                f"not more than num_eval_examples={num_eval_examples}"
-            )
-        order = list(range(len(rows)))
-        random.Random(f"{ENV}/split/{seed}").shuffle(order)
-        eval_ids = set(order[:num_eval_examples])
-        eval_rows = [r for i, r in enumerate(rows) if i in eval_ids]
-        train_rows = [r for i, r in enumerate(rows) if i not in eval_ids]
-        if num_examples != -1:
-            train_rows = train_rows[:num_examples]
+        rows = rows_from_name_lists(name_rows, a.seed, cfg)
+        what = f"usable examples (rows with enough names) from {origin}"
+        train_rows, eval_rows = held_out_split(rows, a.num_eval_examples, a.seed, ENV, what)
+        if a.num_examples != -1:
+            train_rows = train_rows[: a.num_examples]
 
     return AlphabetSortEnv(
         dataset=train_rows,
         eval_dataset=eval_rows or None,
-        rubric=make_rubric(similarity_power, power_per_turn),
-        max_turns=max_turns,
+        rubric=make_rubric(a.similarity_power, a.power_per_turn),
+        max_turns=a.max_turns,
     )

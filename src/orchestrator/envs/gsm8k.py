@@ -20,7 +20,7 @@ the prompt plus the reply SFT data uses: the solution, then ``\\boxed{N}`` or ``
 
 Reward ``correct_answer``: the model's final answer is the content of its last
 ``\\boxed{...}``, or failing that the text after its last ``#### `` (to the end of that
-line); it is compared with the reference by ``math_verify`` (``parse`` + ``verify``, run
+line); it is compared with the reference by ``math_verify`` (the `math` extra; ``parse`` + ``verify``, run
 in-process with its signal-based timeouts off, so it works from any thread; answers over
 100 characters score 0 instead, which bounds the time a reply can take). No final answer,
 or any parse/verify error, scores 0. Metric ``format_reward`` (weight 0): 1 when the reply
@@ -30,13 +30,15 @@ a ``#### N`` line).
 
 from __future__ import annotations
 
-import logging
 import random
 import re
-from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar, Literal, Self
 
 from prime_rl.envs import Example, Messages, Parser, Rubric, SingleTurnEnv, load_rows
+from pydantic import Field, model_validator
+
+from orchestrator.envs.common import CountOrAll, EnvArgs, EvalCountOrAll, Source, held_out_split
+from orchestrator.envs.math_answers import after_hashes, answers_match, final_answer, last_boxed, load_math_verify
 
 ENV = "gsm8k"
 HUB_ID = "openai/gsm8k"
@@ -44,82 +46,9 @@ HUB_CONFIG = "main"
 BOXED_SYSTEM_PROMPT = "Please reason step by step, and put your final answer within \\boxed{}."
 HASH_SYSTEM_PROMPT = "Please reason step by step, and put your final answer on the last line as #### N."
 GENERATED_SIZES = {"train": 7473, "test": 1319}  # GSM8K's split sizes
-MAX_ANSWER_CHARS = 100
 
 
 # --------------------------------------------------------------------------- answers
-
-
-def last_boxed(text: str) -> str | None:
-    """Content of the last ``\\boxed{...}`` (braces balanced), None when there is none."""
-    start = text.rfind("\\boxed{")
-    while start != -1:
-        depth, i = 1, start + len("\\boxed{")
-        begin = i
-        while i < len(text) and depth:
-            depth += {"{": 1, "}": -1}.get(text[i], 0)
-            i += 1
-        if depth == 0:
-            return text[begin : i - 1]
-        start = text.rfind("\\boxed{", 0, start)  # unclosed: try the one before
-    return None
-
-
-def after_hashes(text: str) -> str | None:
-    """The text after the last ``#### `` up to the end of its line, None when there is none."""
-    index = text.rfind("#### ")
-    if index == -1:
-        return None
-    return text[index + len("#### ") :].split("\n", 1)[0]
-
-
-def final_answer(text: str) -> str | None:
-    """The reply's final answer: the last ``\\boxed{}``, else the text after the last ``####``."""
-    found = last_boxed(text)
-    if found is None:
-        found = after_hashes(text)
-    return None if found is None else found.strip()
-
-
-def normalize_number(text: str) -> str:
-    """``$1,234.`` -> ``$1234`` (thousands separators and a closing period dropped)."""
-    text = text.strip().rstrip(".").strip()
-    return re.sub(r"(?<=\d),(?=\d{3}(?!\d))", "", text)
-
-
-class _NoTimeoutWarning(logging.Filter):
-    """math_verify warns once that its timeouts are off; this module turns them off on
-    purpose (signals only work in the main thread) and bounds the input instead."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "Timeout is disabled" not in record.getMessage()
-
-
-_math_verify: tuple[Callable, Callable] | None = None
-
-
-def _load_math_verify() -> tuple[Callable, Callable]:
-    global _math_verify
-    if _math_verify is None:
-        from math_verify import parse, verify
-
-        for name in ("math_verify.parser", "math_verify.grader"):
-            logging.getLogger(name).addFilter(_NoTimeoutWarning())
-        _math_verify = (parse, verify)
-    return _math_verify
-
-
-def answers_match(predicted: str | None, reference: str) -> bool:
-    """math_verify's verdict on the final answer against the reference (False on any error)."""
-    if not predicted or len(predicted) > MAX_ANSWER_CHARS:
-        return False
-    parse, verify = _load_math_verify()
-    try:
-        gold = parse(f"\\boxed{{{normalize_number(reference)}}}", parsing_timeout=None)
-        guess = parse(f"\\boxed{{{normalize_number(predicted)}}}", parsing_timeout=None)
-        return bool(gold and guess and verify(gold, guess, timeout_seconds=None))
-    except Exception:  # noqa: BLE001 - an unparsable answer is a wrong answer
-        return False
 
 
 def reference_reply(solution: str, answer: str, answer_format: str = "boxed") -> str:
@@ -160,7 +89,6 @@ ITEMS = [  # (item, lowest price, highest price)
     ("book", 5, 15), ("toy car", 3, 9), ("cupcake", 2, 5), ("ticket", 4, 12),
 ]
 VEHICLES = ["car", "train", "bus", "truck", "boat"]
-PLANTS = ["tomato", "rose", "carrot", "tulip", "pepper"]
 
 
 def _problem_1(rng: random.Random) -> tuple[str, list[str], int]:
@@ -324,99 +252,88 @@ def make_rubric(parser: Parser, answer_format: str) -> Rubric:
     return rubric
 
 
-def count_arg(name: str, value: Any, minimum: int, env: str = ENV) -> None:
-    """An example count: an integer >= ``minimum``, or -1 for all (shared with math-python)."""
-    if not isinstance(value, int) or isinstance(value, bool) or (value < minimum and value != -1):
-        raise ValueError(f"{env}: {name} must be an integer >= {minimum} or -1 (all), got {value!r}")
+class Gsm8kArgs(EnvArgs):
+    """gsm8k's arguments: verifiers' gsm8k (``num_train_examples``, ``num_eval_examples``,
+    ``system_prompt``) and prime-rl's own."""
+
+    env: ClassVar[str] = ENV
+    num_train_examples: CountOrAll = -1
+    """Train examples; -1: all (every hub or file row, GSM8K's 7473 when generated)."""
+    num_eval_examples: EvalCountOrAll = -1
+    """Held-out examples; -1: all (the hub's test split, GSM8K's 1319 when generated, a tenth of a `data_path` file)."""
+    answer_format: Literal["boxed", "hash"] = "boxed"
+    """How the prompt asks for the final answer, `\\boxed{N}` or a last line `#### N` (a weight-0 metric checks it)."""
+    system_prompt: str | None = None
+    """Replaces the default instruction (which asks for `answer_format`)."""
+    difficulty: int = Field(2, ge=1, le=3)
+    """Arithmetic steps per generated problem."""
+    seed: int = 0
+    """Seeds the generated problems and the held-out split of a file."""
+    source: Source = "auto"
+    """`auto` (the hub when it answers, else generated), `hub` or `generated`."""
+    data_path: str | None = None
+    """A file of `question` + `answer` rows (GSM8K's format) instead of the hub."""
+    num_examples: CountOrAll | None = None
+    """Another name for `num_train_examples`."""
+
+    @model_validator(mode="after")
+    def _one_train_count(self) -> Self:
+        if self.num_examples is not None and self.num_train_examples not in (-1, self.num_examples):
+            raise ValueError(f"num_examples is another name for num_train_examples; give one, "
+                             f"got {self.num_examples} and {self.num_train_examples}")
+        return self
+
+    @property
+    def train_count(self) -> int:
+        return self.num_train_examples if self.num_examples is None else self.num_examples
 
 
-def check_common_args(seed: Any, source: Any, system_prompt: Any, env: str = ENV) -> None:
-    """`seed`, `source` and `system_prompt` of a math environment (shared with math-python)."""
-    if not isinstance(seed, int) or isinstance(seed, bool):
-        raise ValueError(f"{env}: seed must be an integer, got {seed!r}")
-    if source not in ("auto", "hub", "generated"):
-        raise ValueError(f"{env}: source must be 'auto', 'hub' or 'generated', got {source!r}")
-    if system_prompt is not None and not isinstance(system_prompt, str):
-        raise ValueError(f"{env}: system_prompt must be a string, got {system_prompt!r}")
-
-
-def load_environment(
-    num_train_examples: int = -1,
-    num_eval_examples: int = -1,
-    answer_format: str = "boxed",
-    system_prompt: str | None = None,
-    difficulty: int = 2,
-    seed: int = 0,
-    source: str = "auto",
-    data_path: str | None = None,
-    num_examples: int | None = None,
-) -> SingleTurnEnv:
-    """Args as verifiers' gsm8k (``num_train_examples``, ``num_eval_examples``: -1 for all:
-    every hub row, or GSM8K's 7473 / 1319 when generated; ``system_prompt``), plus
-    ``answer_format`` (`boxed` or `hash`), ``difficulty`` (1-3, generated problems only),
-    ``seed``, ``source`` (`auto`, `hub`, `generated`), ``data_path`` and ``num_examples``
-    (another name for ``num_train_examples``)."""
-    if num_examples is not None:
-        if num_train_examples not in (-1, num_examples):
-            raise ValueError(
-                f"{ENV}: num_examples is another name for num_train_examples; give one, "
-                f"got {num_examples} and {num_train_examples}"
-            )
-        num_train_examples = num_examples
-    count_arg("num_train_examples", num_train_examples, 1)
-    count_arg("num_eval_examples", num_eval_examples, 0)
-    if answer_format not in ("boxed", "hash"):
-        raise ValueError(f"{ENV}: answer_format must be 'boxed' or 'hash', got {answer_format!r}")
-    if not isinstance(difficulty, int) or isinstance(difficulty, bool) or difficulty not in PROBLEMS:
-        raise ValueError(f"{ENV}: difficulty must be 1, 2 or 3 (arithmetic steps per problem), got {difficulty!r}")
-    check_common_args(seed, source, system_prompt)
-
-    def take(rows: list[dict], n: int) -> list[dict]:
-        return rows if n == -1 else rows[:n]
+def load_splits(a: Gsm8kArgs) -> tuple[list[dict], list[dict]]:
+    """(train, eval) rows from the file (a seeded held-out split), the hub (its train and test
+    splits) or the generator (two seeded streams, train without the eval problems)."""
 
     def size(split: str) -> int:
-        n = num_train_examples if split == "train" else num_eval_examples
+        n = a.train_count if split == "train" else a.num_eval_examples
         return GENERATED_SIZES[split] if n == -1 else n
 
     offline: dict[str, list[dict]] = {}  # the generated splits, when it comes to that
 
     def generate() -> list[dict]:  # eval first, so that train can leave its problems out
-        offline["test"] = generated_rows(size("test"), difficulty, f"{seed}/test") if num_eval_examples else []
+        offline["test"] = generated_rows(size("test"), a.difficulty, f"{a.seed}/test") if a.num_eval_examples else []
         held_out = {r["question"] for r in offline["test"]}
-        return generated_rows(size("train"), difficulty, f"{seed}/train", held_out)
+        return generated_rows(size("train"), a.difficulty, f"{a.seed}/train", held_out)
 
     train, _ = load_rows(
-        source=source, data_path=data_path, hub_id=HUB_ID, hub_config=HUB_CONFIG, split="train", generate=generate
+        source=a.source, data_path=a.data_path, hub_id=HUB_ID, hub_config=HUB_CONFIG, split="train", generate=generate
     )
-    if data_path is not None:  # one file: a seeded held-out split
-        train = [row_from_gsm8k(r, i) for i, r in enumerate(train)]
-        n_eval = max(1, len(train) // 10) if num_eval_examples == -1 else num_eval_examples
-        if len(train) <= n_eval:
-            raise ValueError(f"{ENV}: data_path {data_path!r} has {len(train)} rows, not more than num_eval_examples={n_eval}")
-        order = list(range(len(train)))
-        random.Random(f"{ENV}/split/{seed}").shuffle(order)
-        held = set(order[:n_eval])
-        eval_rows = [r for i, r in enumerate(train) if i in held]
-        train = [r for i, r in enumerate(train) if i not in held]
-    elif "test" in offline:  # generated: two seeded streams
-        eval_rows = offline["test"]
-    else:  # the hub's train and test splits
-        train = [row_from_gsm8k(r, i) for i, r in enumerate(train)]
-        eval_rows = [] if num_eval_examples == 0 else [
-            row_from_gsm8k(r, i)
-            for i, r in enumerate(load_rows(source="hub", hub_id=HUB_ID, hub_config=HUB_CONFIG, split="test")[0])
-        ]
+    if a.data_path is not None:
+        rows = [row_from_gsm8k(r, i) for i, r in enumerate(train)]
+        return held_out_split(rows, a.num_eval_examples, a.seed, ENV, f"rows in data_path {a.data_path!r}")
+    if "test" in offline:
+        return train, offline["test"]
+    test = [] if a.num_eval_examples == 0 else load_rows(source="hub", hub_id=HUB_ID, hub_config=HUB_CONFIG, split="test")[0]
+    return [row_from_gsm8k(r, i) for i, r in enumerate(train)], [row_from_gsm8k(r, i) for i, r in enumerate(test)]
 
-    train, eval_rows = take(train, num_train_examples), take(eval_rows, num_eval_examples)
+
+def load_environment(**args: Any) -> SingleTurnEnv:
+    """gsm8k with ``args`` (``Gsm8kArgs``)."""
+    a = Gsm8kArgs.parse(args)
+    load_math_verify(ENV)  # the reward needs it: say so now, not at the first score
+
+    def take(rows: list[dict], n: int) -> list[dict]:
+        return rows if n == -1 else rows[:n]
+
+    train, eval_rows = load_splits(a)
+    train, eval_rows = take(train, a.train_count), take(eval_rows, a.num_eval_examples)
     for row in (*train, *eval_rows):
-        row["info"] = {**row.get("info", {}), "answer_format": answer_format}
+        row["info"] = {**row.get("info", {}), "answer_format": a.answer_format}
         row["task"] = ENV
     parser = Parser(extract_fn=final_answer)
-    default_prompt = BOXED_SYSTEM_PROMPT if answer_format == "boxed" else HASH_SYSTEM_PROMPT
+    default_prompt = BOXED_SYSTEM_PROMPT if a.answer_format == "boxed" else HASH_SYSTEM_PROMPT
     return SingleTurnEnv(
         dataset=train,
         eval_dataset=eval_rows or None,
-        system_prompt=default_prompt if system_prompt is None else system_prompt,
+        system_prompt=default_prompt if a.system_prompt is None else a.system_prompt,
         parser=parser,
-        rubric=make_rubric(parser, answer_format),
+        rubric=make_rubric(parser, a.answer_format),
     )

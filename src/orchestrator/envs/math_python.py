@@ -43,12 +43,14 @@ import json
 import math
 import random
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 from prime_rl.envs import Example, Messages, Parser, Rubric, State, StatefulToolEnv, load_rows
 from prime_rl.envs.sandbox import Sandbox, SandboxLimits
+from pydantic import Field
 
-from orchestrator.envs.gsm8k import answers_match, check_common_args, count_arg, final_answer, last_boxed
+from orchestrator.envs.common import CountOrAll, EnvArgs, EvalCountOrAll, Source, held_out_split
+from orchestrator.envs.math_answers import answers_match, final_answer, last_boxed, load_math_verify
 
 ENV = "math-python"
 HUB_ID = "chiayewken/competition_math"
@@ -194,17 +196,6 @@ def _converted(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [r for r in (row_from_file_or_hub(row, i) for i, row in enumerate(rows)) if r is not None]
 
 
-def held_out_split(rows: list[dict[str, Any]], num_eval: int, seed: int) -> tuple[list[dict], list[dict]]:
-    """(train, eval) of one file: a seeded shuffle picks the eval rows (a tenth when -1)."""
-    n_eval = max(1, len(rows) // 10) if num_eval == -1 else num_eval
-    if len(rows) <= n_eval:
-        raise ValueError(f"{ENV}: the data file has {len(rows)} usable rows, not more than num_eval_examples={n_eval}")
-    order = list(range(len(rows)))
-    random.Random(f"{ENV}/split/{seed}").shuffle(order)
-    held = set(order[:n_eval])
-    return [r for i, r in enumerate(rows) if i not in held], [r for i, r in enumerate(rows) if i in held]
-
-
 # --------------------------------------------------------------------------- environment
 
 
@@ -279,76 +270,80 @@ def demonstration(example: Example) -> Messages | None:
     ]
 
 
-def _check_args(
-    num_train_examples: Any, num_eval_examples: Any, max_turns: Any, seed: Any, source: Any, system_prompt: Any
-) -> None:
-    count_arg("num_train_examples", num_train_examples, 1, ENV)
-    count_arg("num_eval_examples", num_eval_examples, 0, ENV)
-    if not isinstance(max_turns, int) or isinstance(max_turns, bool) or max_turns < 2:
-        raise ValueError(f"{ENV}: max_turns must be an integer >= 2 (a tool call, then the answer), got {max_turns!r}")
-    check_common_args(seed, source, system_prompt, ENV)
+class MathPythonArgs(EnvArgs):
+    """math-python's arguments: the data, then the sandbox's limits per call."""
+
+    env: ClassVar[str] = ENV
+    num_train_examples: CountOrAll = -1
+    """Train examples; -1: all (every hub or file row, 7500 when generated)."""
+    num_eval_examples: EvalCountOrAll = -1
+    """Held-out examples; -1: all (the hub's test split, 5000 when generated, a tenth of a `data_path` file)."""
+    max_turns: int = Field(5, ge=2)
+    """Model turns, the final answer's included (at least a tool call, then the answer)."""
+    system_prompt: str | None = None
+    """Replaces the default instruction."""
+    seed: int = 0
+    """Seeds the generated problems and the held-out split of a file."""
+    source: Source = "auto"
+    """`auto` (the hub when it answers, else generated), `hub` or `generated`."""
+    data_path: str | None = None
+    """A file of `problem` + `solution` (MATH's format) or `question` + `answer` rows instead of the hub."""
+    timeout_s: float = Field(10.0, gt=0)
+    """Wall clock of one call, in seconds."""
+    cpu_s: int = Field(5, ge=1)
+    """CPU seconds of each of the call's processes."""
+    memory_mb: int = Field(1024, ge=1)
+    """Address space of each process, in MiB."""
+    call_memory_mb: int = Field(1024, ge=1)
+    """All of the call's processes, memfds and scratch writes together, in MiB."""
+    scratch_mb: int = Field(64, ge=1)
+    """The rollout's scratch directory in all, in MiB (below `call_memory_mb`)."""
+    total_memory_mb: int = Field(8192, ge=1)
+    """The running calls and the scratch of every live rollout together: what the host holds at most, in MiB."""
+    max_open_files: int = Field(64, ge=1)
+    """Open files of each process."""
+    max_output_chars: int = Field(4000, ge=1)
+    """Characters kept of stdout and of stderr."""
+    max_concurrent_sandboxes: int = Field(4, ge=1)
+    """Programs running at once; the others wait."""
 
 
-def load_splits(num_train: int, num_eval: int, seed: int, source: str, data_path: str | None) -> tuple[list[dict], list[dict]]:
+def load_splits(a: MathPythonArgs) -> tuple[list[dict], list[dict]]:
     """(train, eval) rows from the file, the hub or the generator (module docstring)."""
 
     def size(split: str) -> int:
-        n = num_train if split == "train" else num_eval
+        n = a.num_train_examples if split == "train" else a.num_eval_examples
         return GENERATED_SIZES[split] if n == -1 else n
 
     offline: dict[str, list[dict]] = {}
 
     def generate() -> list[dict]:  # eval first, so that train can leave its problems out
-        offline["test"] = generated_rows(size("test"), f"{seed}/test") if num_eval else []
-        return generated_rows(size("train"), f"{seed}/train", {r["question"] for r in offline["test"]})
+        offline["test"] = generated_rows(size("test"), f"{a.seed}/test") if a.num_eval_examples else []
+        return generated_rows(size("train"), f"{a.seed}/train", {r["question"] for r in offline["test"]})
 
-    train, _ = load_rows(source=source, data_path=data_path, hub_id=HUB_ID, split="train", generate=generate)
-    if data_path is not None:
-        return held_out_split(_converted(train), num_eval, seed)
+    train, _ = load_rows(source=a.source, data_path=a.data_path, hub_id=HUB_ID, split="train", generate=generate)
+    if a.data_path is not None:
+        return held_out_split(_converted(train), a.num_eval_examples, a.seed, ENV, "usable rows in the data file")
     if "test" in offline:
         return train, offline["test"]
-    test = [] if num_eval == 0 else load_rows(source="hub", hub_id=HUB_ID, split="test")[0]
+    test = [] if a.num_eval_examples == 0 else load_rows(source="hub", hub_id=HUB_ID, split="test")[0]
     return _converted(train), _converted(test)
 
 
-def load_environment(
-    num_train_examples: int = -1,
-    num_eval_examples: int = -1,
-    max_turns: int = 5,
-    system_prompt: str | None = None,
-    seed: int = 0,
-    source: str = "auto",
-    data_path: str | None = None,
-    timeout_s: float = 10.0,
-    cpu_s: int = 5,
-    memory_mb: int = 1024,
-    call_memory_mb: int = 1024,
-    scratch_mb: int = 64,
-    total_memory_mb: int = 8192,
-    max_open_files: int = 64,
-    max_output_chars: int = 4000,
-    max_concurrent_sandboxes: int = 4,
-) -> MathPythonEnv:
-    """``num_train_examples`` / ``num_eval_examples`` (-1: all; 7500 / 5000 when generated),
-    ``max_turns`` (model turns, the final answer's included), ``system_prompt``, ``seed``,
-    ``source`` (`auto`, `hub`, `generated`), ``data_path``; the sandbox's limits per call:
-    ``timeout_s`` (wall clock), ``cpu_s``, ``memory_mb`` (each process), ``call_memory_mb``
-    (all of the call's processes, memfds and scratch writes together), ``scratch_mb`` (the
-    rollout's scratch directory in all), ``total_memory_mb`` (the running calls and the scratch
-    of every live rollout together: what the host holds at most), ``max_open_files`` (each
-    process), ``max_output_chars`` (of stdout and of stderr), and ``max_concurrent_sandboxes``
-    (programs running at once; the others wait). Raises
-    ``SandboxUnavailable`` when the sandbox cannot run here with all its bounds."""
-    _check_args(num_train_examples, num_eval_examples, max_turns, seed, source, system_prompt)
+def load_environment(**args: Any) -> MathPythonEnv:
+    """math-python with ``args`` (``MathPythonArgs``). Raises ``SandboxUnavailable`` when the
+    sandbox cannot run here with all its bounds."""
+    a = MathPythonArgs.parse(args)
+    load_math_verify(ENV)  # the reward needs it: say so now, not at the first score
     limits = SandboxLimits(
-        wall_s=timeout_s, cpu_s=cpu_s, memory_mb=memory_mb, call_memory_mb=call_memory_mb,
-        scratch_mb=scratch_mb, total_memory_mb=total_memory_mb, max_open_files=max_open_files,
-        max_output_chars=max_output_chars,
+        wall_s=a.timeout_s, cpu_s=a.cpu_s, memory_mb=a.memory_mb, call_memory_mb=a.call_memory_mb,
+        scratch_mb=a.scratch_mb, total_memory_mb=a.total_memory_mb, max_open_files=a.max_open_files,
+        max_output_chars=a.max_output_chars,
     )  # fmt: skip
-    sandbox = Sandbox(limits, max_concurrent=max_concurrent_sandboxes)
-    train, eval_rows = load_splits(num_train_examples, num_eval_examples, seed, source, data_path)
-    train = train if num_train_examples == -1 else train[:num_train_examples]
-    eval_rows = eval_rows if num_eval_examples == -1 else eval_rows[:num_eval_examples]
+    sandbox = Sandbox(limits, max_concurrent=a.max_concurrent_sandboxes)
+    train, eval_rows = load_splits(a)
+    train = train if a.num_train_examples == -1 else train[: a.num_train_examples]
+    eval_rows = eval_rows if a.num_eval_examples == -1 else eval_rows[: a.num_eval_examples]
     for row in (*train, *eval_rows):
         row["task"] = ENV
     parser = Parser(extract_fn=final_answer)
@@ -356,9 +351,9 @@ def load_environment(
         sandbox,
         dataset=train,
         eval_dataset=eval_rows or None,
-        system_prompt=SYSTEM_PROMPT if system_prompt is None else system_prompt,
+        system_prompt=SYSTEM_PROMPT if a.system_prompt is None else a.system_prompt,
         parser=parser,
         rubric=make_rubric(parser),
-        max_turns=max_turns,
+        max_turns=a.max_turns,
         tool_timeout_s=None,  # the sandbox bounds each run; waiting for a free sandbox is not the model's fault
     )

@@ -15,10 +15,15 @@ from __future__ import annotations
 
 import random
 import string
-from typing import Literal
+from typing import Any, ClassVar, Literal, Self
 
 from prime_rl.envs import Parser, Rubric, SingleTurnEnv, XMLParser
+from pydantic import Field, model_validator
+from rapidfuzz.distance import LCSseq
 
+from orchestrator.envs.common import EnvArgs
+
+ENV = "reverse-text"
 SYSTEM_PROMPT = "Reverse the text character by character."
 XML_SYSTEM_PROMPT = (
     "Reverse the given text character by character. Respond in the following format:\n"
@@ -27,17 +32,8 @@ XML_SYSTEM_PROMPT = (
 
 
 def lcs_length(a: str, b: str) -> int:
-    """Length of the longest common subsequence (classic O(len(a) * len(b)) table, one row kept)."""
-    if len(a) < len(b):
-        a, b = b, a
-    row = [0] * (len(b) + 1)
-    for ca in a:
-        prev_diag = 0  # row[j - 1] of the previous row
-        for j, cb in enumerate(b, start=1):
-            above = row[j]
-            row[j] = prev_diag + 1 if ca == cb else max(row[j], row[j - 1])
-            prev_diag = above
-    return row[-1]
+    """Length of the longest common subsequence (rapidfuzz's bit-parallel LCS, in C++)."""
+    return LCSseq.similarity(a, b)
 
 
 def lcs_ratio(a: str, b: str) -> float:
@@ -63,33 +59,46 @@ def lcs_reward(completion, answer, parser) -> float:
     return lcs_ratio((parser.parse_answer(completion) or "").strip(), answer)
 
 
-def load_environment(
-    num_examples: int = 10000,
-    min_len: int = 3,
-    max_len: int = 8,
-    seed: int = 0,
-    answer_format: Literal["plain", "xml"] = "plain",
-    num_eval_examples: int = 100,
-    system_prompt: str | None = None,
-) -> SingleTurnEnv:
-    if not 1 <= min_len <= max_len:
-        raise ValueError(f"reverse-text: need 1 <= min_len <= max_len, got min_len={min_len}, max_len={max_len}")
-    if num_examples < 1 or num_eval_examples < 0:
-        raise ValueError(f"reverse-text: num_examples must be >= 1 and num_eval_examples >= 0, got {num_examples}, {num_eval_examples}")
-    if answer_format not in ("plain", "xml"):
-        raise ValueError(f"reverse-text: answer_format must be 'plain' or 'xml', got {answer_format!r}")
-    if system_prompt is not None and not isinstance(system_prompt, str):
-        raise ValueError(f"reverse-text: system_prompt must be a string (\"\" for none), got {type(system_prompt).__name__}")
+class ReverseTextArgs(EnvArgs):
+    """reverse-text's arguments."""
+
+    env: ClassVar[str] = ENV
+    num_examples: int = Field(10000, ge=1)
+    """Train examples."""
+    min_len: int = Field(3, ge=1)
+    """Shortest text, in characters."""
+    max_len: int = Field(8, ge=1)
+    """Longest text, in characters."""
+    seed: int = 0
+    """Seeds the train texts (eval: ``seed + 10000``)."""
+    answer_format: Literal["plain", "xml"] = "plain"
+    """`plain`: the whole reply is the answer; `xml`: inside `<reversed_text>` (with a format metric)."""
+    num_eval_examples: int = Field(100, ge=0)
+    """Held-out examples."""
+    system_prompt: str | None = None
+    """Replaces the instruction; "" asks with no system message at all."""
+
+    @model_validator(mode="after")
+    def _lengths(self) -> Self:
+        if self.min_len > self.max_len:
+            raise ValueError(f"need min_len <= max_len, got min_len={self.min_len}, max_len={self.max_len}")
+        return self
+
+
+def load_environment(**args: Any) -> SingleTurnEnv:
+    """reverse-text with ``args`` (``ReverseTextArgs``)."""
+    a = ReverseTextArgs.parse(args)
+    system_prompt = a.system_prompt
     if system_prompt is None:
-        system_prompt = XML_SYSTEM_PROMPT if answer_format == "xml" else SYSTEM_PROMPT
-    parser = XMLParser(["reversed_text"], answer_field="reversed_text") if answer_format == "xml" else Parser()
+        system_prompt = XML_SYSTEM_PROMPT if a.answer_format == "xml" else SYSTEM_PROMPT
+    parser = XMLParser(["reversed_text"], answer_field="reversed_text") if a.answer_format == "xml" else Parser()
     rubric = Rubric(funcs=[lcs_reward], parser=parser)
-    if answer_format == "xml":
+    if a.answer_format == "xml":
         rubric.add_reward_func(parser.get_format_reward_func(), weight=0.0)
     return SingleTurnEnv(
-        dataset=make_rows(num_examples, min_len, max_len, seed),
+        dataset=make_rows(a.num_examples, a.min_len, a.max_len, a.seed),
         # a different seed than any training seed a run is likely to use
-        eval_dataset=make_rows(num_eval_examples, min_len, max_len, seed + 10_000) if num_eval_examples else None,
+        eval_dataset=make_rows(a.num_eval_examples, a.min_len, a.max_len, a.seed + 10_000) if a.num_eval_examples else None,
         system_prompt=system_prompt or None,  # "": no system message
         parser=parser,
         rubric=rubric,

@@ -31,9 +31,9 @@ Data, in order of precedence:
   ``demonstration(example)`` turns into an SFT conversation with real tool outputs.
 
 Questions are split into train and a held-out eval set by a seeded shuffle (``seed``;
-``num_eval_examples=-1`` holds out a fifth).
+``num_eval_examples=-1`` holds out a fifth, at least one).
 
-The BM25 index (``bm25s``) is cached on disk under ``<cache root>/<sha256 of the corpus>``:
+The BM25 index (``bm25s``, the `wiki-search` extra) is cached on disk under ``<cache root>/<sha256 of the corpus>``:
 the root is ``cache_dir`` when given, else ``$PRIME_RL_CACHE/wiki_search``, else
 ``~/.cache/prime-rl/wiki_search``. A changed corpus gets a new key and its own index; a
 cache that cannot be read back is removed and rebuilt; a new index is written to a
@@ -69,11 +69,15 @@ import uuid
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Self
 
 import httpx
 from prime_rl.envs import DatasetUnavailable, Example, Messages, Rubric, State, StatefulToolEnv
 from prime_rl.envs import data as env_data
+from prime_rl.extras import import_extra
+from pydantic import Field, model_validator
+
+from orchestrator.envs.common import CountOrAll, EnvArgs, EvalCountOrAll, held_out_split
 
 if TYPE_CHECKING:
     import bm25s
@@ -81,7 +85,6 @@ if TYPE_CHECKING:
 ENV = "wiki-search"
 CORPUS_HUB_ID = "willcb/rare-wiki-pages"
 QUESTIONS_HUB_ID = "willcb/wiki-trivia-questions-v4"
-SOURCES = ("auto", "hub", "local", "generated")
 SYSTEM_PROMPT = "Answer the question using the wiki tools. Reply with the answer only."
 MAX_EXTRA_WORDS = 10
 INDEX_VERSION = 1  # part of the cache key: bump when the tokenization or file layout changes
@@ -191,16 +194,17 @@ def cache_root(cache_dir: str | Path | None) -> Path:
     return (Path(base).expanduser() if base else Path.home() / ".cache" / "prime-rl") / "wiki_search"
 
 
-def _tokenize(texts: list[str]) -> Any:
-    import bm25s
+def _bm25s() -> Any:
+    """The ``bm25s`` module (the `wiki-search` extra), or the one-line error naming it."""
+    return import_extra("bm25s", ENV)
 
-    return bm25s.tokenize(texts, stopwords="en", show_progress=False)
+
+def _tokenize(texts: list[str]) -> Any:
+    return _bm25s().tokenize(texts, stopwords="en", show_progress=False)
 
 
 def _build_index(pages: list[Page]) -> bm25s.BM25:
-    import bm25s
-
-    retriever = bm25s.BM25()
+    retriever = _bm25s().BM25()
     retriever.index(_tokenize([f"{p.title}\n{p.content}" for p in pages]), show_progress=False)
     return retriever
 
@@ -224,8 +228,7 @@ def _read_index(folder: Path, key: str, num_docs: int) -> bm25s.BM25 | None:
     discarded (and rebuilt by the caller)."""
     if not folder.exists():
         return None
-    import bm25s
-
+    bm25s = _bm25s()
     try:
         meta = json.loads((folder / INDEX_META).read_text())
         expected = {"key": key, "num_docs": num_docs, "version": INDEX_VERSION}
@@ -479,16 +482,6 @@ def load_data(
     return pages_from_rows(list(corpus), "the generated wiki"), rows, origin
 
 
-def split_questions(rows: list[dict[str, Any]], num_eval: int, seed: int) -> tuple[list[dict], list[dict]]:
-    """(train, eval): a seeded shuffle, the first ``num_eval`` rows held out (-1: a fifth)."""
-    n_eval = len(rows) // 5 if num_eval == -1 else num_eval
-    if n_eval >= len(rows):
-        raise ValueError(f"{ENV}: {len(rows)} questions, not more than num_eval_examples={n_eval}")
-    order = list(range(len(rows)))
-    random.Random(f"{ENV}/split/{seed}").shuffle(order)
-    return [rows[i] for i in order[n_eval:]], [rows[i] for i in order[:n_eval]]
-
-
 # --------------------------------------------------------------------------- rewards
 
 
@@ -640,79 +633,81 @@ def _tool_error(e: Exception) -> str:
     return f"Error: {e}" if isinstance(e, WikiError) else f"Error: {type(e).__name__}: {e}"
 
 
-def _check_int(name: str, value: Any, minimum: int, all_ok: bool = False) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or (value < minimum and not (all_ok and value == -1)):
-        raise ValueError(f"{ENV}: {name} must be an integer >= {minimum}{' or -1 (all)' if all_ok else ''}, got {value!r}")
+class WikiSearchArgs(EnvArgs):
+    """wiki-search's arguments: verifiers' wiki_search, plus the data, the index and the judge."""
+
+    env: ClassVar[str] = ENV
+    num_train_examples: CountOrAll = -1
+    """Train questions; -1: all but the held-out ones."""
+    num_eval_examples: EvalCountOrAll = -1
+    """Held-out questions; -1: a fifth."""
+    max_turns: int = Field(10, ge=1)
+    """Model turns, tool calls included."""
+    system_prompt: str = SYSTEM_PROMPT
+    """The instruction."""
+    seed: int = 0
+    """Seeds the train/eval split."""
+    corpus_seed: int = 0
+    """Picks the generated wiki."""
+    source: Literal["auto", "hub", "local", "generated"] = "auto"
+    """`auto` (the files when given, else the hub when it answers, else generated), `hub`, `local` (the files) or `generated`."""
+    corpus_path: str | None = None
+    """A JSONL file of pages (`id`, `title`, `content`), with `questions_path`."""
+    questions_path: str | None = None
+    """A JSONL file of questions (`question`, `answer`) about `corpus_path`'s pages."""
+    cache_dir: str | None = None
+    """Root of the search index cache (default `$PRIME_RL_CACHE/wiki_search`, else `~/.cache/prime-rl/wiki_search`)."""
+    top_k: int = Field(3, ge=1)
+    """Most pages `search_pages` lists."""
+    judge: str | None = None
+    """An endpoint id of `endpoints_path`: an LLM judges the answers instead of the normalized match."""
+    judge_timeout_s: float = Field(30.0, gt=0)
+    """Longest a judge's whole request may take, in seconds (then the answer scores 0)."""
+    endpoints_path: str = "configs/endpoints.toml"
+    """The endpoints file that names `judge`."""
+    num_examples: CountOrAll | None = None
+    """Another name for `num_train_examples`."""
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Self:
+        if self.num_examples is not None and self.num_train_examples not in (-1, self.num_examples):
+            raise ValueError(f"num_examples is another name for num_train_examples; give one, "
+                             f"got {self.num_examples} and {self.num_train_examples}")
+        if (self.corpus_path is None) != (self.questions_path is None):
+            raise ValueError("corpus_path and questions_path go together (questions about that corpus); give both or neither")
+        if self.corpus_path is not None and self.source not in ("auto", "local"):
+            raise ValueError(f"corpus_path and questions_path are local files, but source is {self.source!r}; "
+                             "use 'local' or 'auto'")
+        if self.corpus_path is None and self.source == "local":
+            raise ValueError("source='local' needs corpus_path and questions_path (JSONL files)")
+        return self
+
+    @property
+    def train_count(self) -> int:
+        return self.num_train_examples if self.num_examples is None else self.num_examples
 
 
-def _check_args(source: str, corpus_path: str | None, questions_path: str | None, judge_timeout_s: Any) -> None:
-    if source not in SOURCES:
-        raise ValueError(f"{ENV}: source must be one of {SOURCES}, got {source!r}")
-    if (corpus_path is None) != (questions_path is None):
-        raise ValueError(f"{ENV}: corpus_path and questions_path go together (questions about that corpus); give both or neither")
-    if corpus_path is not None and source not in ("auto", "local"):
-        raise ValueError(f"{ENV}: corpus_path and questions_path are local files, but source is {source!r}; use 'local' or 'auto'")
-    if corpus_path is None and source == "local":
-        raise ValueError(f"{ENV}: source='local' needs corpus_path and questions_path (JSONL files)")
-    if isinstance(judge_timeout_s, bool) or not isinstance(judge_timeout_s, (int, float)) or not judge_timeout_s > 0:
-        raise ValueError(f"{ENV}: judge_timeout_s must be a number of seconds > 0, got {judge_timeout_s!r}")
+def load_environment(**args: Any) -> WikiSearchEnv:
+    """wiki-search with ``args`` (``WikiSearchArgs``)."""
+    a = WikiSearchArgs.parse(args)
+    _bm25s()  # the search index needs it: say so before the data is read
+    judged = load_judge(a.judge, a.endpoints_path, a.judge_timeout_s) if a.judge is not None else None
 
-
-def load_environment(
-    num_train_examples: int = -1,
-    num_eval_examples: int = -1,
-    max_turns: int = 10,
-    system_prompt: str = SYSTEM_PROMPT,
-    seed: int = 0,
-    corpus_seed: int = 0,
-    source: str = "auto",
-    corpus_path: str | None = None,
-    questions_path: str | None = None,
-    cache_dir: str | None = None,
-    top_k: int = 3,
-    judge: str | None = None,
-    judge_timeout_s: float = 30.0,
-    endpoints_path: str = "configs/endpoints.toml",
-    num_examples: int | None = None,
-) -> WikiSearchEnv:
-    """``num_train_examples`` / ``num_eval_examples`` (-1: all / a fifth held out), ``max_turns``
-    (model turns, tool calls included), ``system_prompt``, ``seed`` (the train/eval split),
-    ``corpus_seed`` (the generated wiki), ``source`` (`auto`, `hub`, `local`, `generated`),
-    ``corpus_path`` + ``questions_path`` (JSONL files), ``cache_dir`` (search index cache
-    root), ``top_k`` (pages search_pages returns at most), ``judge`` (an endpoint id of
-    ``endpoints_path``: LLM judging instead of answer matching), ``judge_timeout_s`` and
-    ``num_examples`` (another name for ``num_train_examples``)."""
-    if num_examples is not None:
-        if num_train_examples not in (-1, num_examples):
-            raise ValueError(f"{ENV}: num_examples is another name for num_train_examples; give one, got {num_examples} and {num_train_examples}")
-        num_train_examples = num_examples
-    _check_int("num_train_examples", num_train_examples, 1, all_ok=True)
-    _check_int("num_eval_examples", num_eval_examples, 0, all_ok=True)
-    _check_int("max_turns", max_turns, 1)
-    for name, value in (("seed", seed), ("corpus_seed", corpus_seed)):
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise ValueError(f"{ENV}: {name} must be an integer, got {value!r}")
-    _check_int("top_k", top_k, 1)
-    if not isinstance(system_prompt, str):
-        raise ValueError(f"{ENV}: system_prompt must be a string, got {system_prompt!r}")
-    _check_args(source, corpus_path, questions_path, judge_timeout_s)
-    judged = load_judge(judge, endpoints_path, float(judge_timeout_s)) if judge is not None else None
-
-    pages, questions, origin = load_data(source, corpus_path, questions_path, corpus_seed)
-    train, evals = split_questions(questions, num_eval_examples, seed)
-    if num_train_examples != -1:
-        train = train[:num_train_examples]
+    pages, questions, origin = load_data(a.source, a.corpus_path, a.questions_path, a.corpus_seed)
+    train, evals = held_out_split(questions, a.num_eval_examples, a.seed, ENV, "questions", share=5)
+    if a.train_count != -1:
+        train = train[: a.train_count]
     for row in (*train, *evals):
         row["info"] = {**row["info"], "question": row["question"]}
         row["task"] = ENV
     return WikiSearchEnv(
-        Wiki(pages, cache_root(cache_dir), top_k),
+        Wiki(pages, cache_root(a.cache_dir), a.top_k),
         origin,
         dataset=train,
         eval_dataset=evals or None,
-        system_prompt=system_prompt,
+        system_prompt=a.system_prompt,
         rubric=make_rubric(judged),
-        max_turns=max_turns,
+        max_turns=a.max_turns,
     )
 
 

@@ -29,7 +29,7 @@ included); ``format_reward`` (0.2) the ``XMLParser(["guess"])`` format reward.
 Secret words: ``num_train_examples`` (2000) and ``num_eval_examples`` (20) words, disjoint,
 drawn with ``seed`` (0) from the word list: ``words_path`` (a text file, one word a line) or
 the 5-letter lowercase words among ``wordfreq``'s 30,000 most common English words (about
-3,600; no download). ``data_path`` gives the secret words instead (rows with ``answer``);
+3,600; no download; the `wordle` extra). ``data_path`` gives the secret words instead (rows with ``answer``);
 they are split into train and eval by a seeded shuffle.
 """
 
@@ -39,9 +39,13 @@ import random
 import re
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, Self
 
 from prime_rl.envs import Example, Messages, MultiTurnEnv, Rubric, State, XMLParser, load_rows
+from prime_rl.extras import import_extra
+from pydantic import Field, model_validator
+
+from orchestrator.envs.common import EnvArgs, Source
 
 ENV = "wordle"
 WORD_LENGTH = 5
@@ -171,9 +175,8 @@ def make_rubric(parser: XMLParser) -> Rubric:
 @lru_cache(maxsize=1)
 def common_words() -> tuple[str, ...]:
     """The 5-letter lowercase words among wordfreq's 30,000 most common English words."""
-    from wordfreq import top_n_list
-
-    return tuple(dict.fromkeys(w for w in top_n_list("en", 30000) if _WORD.fullmatch(w)))
+    wordfreq = import_extra("wordfreq", f"{ENV} (without words_path)")
+    return tuple(dict.fromkeys(w for w in wordfreq.top_n_list("en", 30000) if _WORD.fullmatch(w)))
 
 
 def read_words(path: str | Path) -> tuple[str, ...]:
@@ -210,67 +213,71 @@ def secret_words(words: tuple[str, ...], num_train: int, num_eval: int, seed: in
 # --------------------------------------------------------------------------- environment
 
 
-def load_environment(
-    num_train_examples: int = 2000,
-    num_eval_examples: int = 20,
-    system_prompt: str = SYSTEM_PROMPT,
-    seed: int = 0,
-    check_words: bool = False,
-    words_path: str | None = None,
-    data_path: str | None = None,
-    source: str = "auto",
-    num_examples: int | None = None,
-) -> WordleEnv:
-    """Args as verifiers' wordle (``num_train_examples``, ``num_eval_examples``,
-    ``system_prompt``, ``seed``), plus ``check_words`` (only words of the list are valid
-    guesses), ``words_path`` (the word list), ``data_path`` (rows with the secret word in
-    ``answer``), ``source`` (`auto`/`generated`: the word list; `hub` fails: there is no hub
-    dataset) and ``num_examples`` (another name for ``num_train_examples``)."""
-    if num_examples is not None:
-        if num_train_examples not in (2000, num_examples):
-            raise ValueError(
-                f"{ENV}: num_examples is another name for num_train_examples; give one, "
-                f"got {num_examples} and {num_train_examples}"
-            )
-        num_train_examples = num_examples
-    for name, value, low in (("num_train_examples", num_train_examples, 1), ("num_eval_examples", num_eval_examples, 0)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < low:
-            raise ValueError(f"{ENV}: {name} must be an integer >= {low}, got {value!r}")
-    if not isinstance(seed, int) or isinstance(seed, bool):
-        raise ValueError(f"{ENV}: seed must be an integer, got {seed!r}")
-    if not isinstance(check_words, bool):
-        raise ValueError(f"{ENV}: check_words must be true or false, got {check_words!r}")
-    if not isinstance(system_prompt, str):
-        raise ValueError(f"{ENV}: system_prompt must be a string, got {system_prompt!r}")
-    if source not in ("auto", "hub", "generated"):
-        raise ValueError(f"{ENV}: source must be 'auto', 'hub' or 'generated', got {source!r}")
+class WordleArgs(EnvArgs):
+    """wordle's arguments: verifiers' wordle (``num_train_examples``, ``num_eval_examples``,
+    ``system_prompt``, ``seed``) and prime-rl's own."""
 
-    words = read_words(words_path) if words_path is not None else None
-    if data_path is None and source != "hub":
+    env: ClassVar[str] = ENV
+    num_train_examples: int = Field(2000, ge=1)
+    """Train games (secret words; train cycles through the word list when it asks for more)."""
+    num_eval_examples: int = Field(20, ge=0)
+    """Held-out games, with secret words no train game has."""
+    system_prompt: str = SYSTEM_PROMPT
+    """The instruction before the game's rules."""
+    seed: int = 0
+    """Draws the secret words."""
+    check_words: bool = False
+    """Only words of the list are valid guesses."""
+    words_path: str | None = None
+    """The word list: a text file, one 5-letter word a line (default: wordfreq's common words, the `wordle` extra)."""
+    data_path: str | None = None
+    """A file of rows with the secret word in `answer`, split into train and eval by a seeded shuffle."""
+    source: Source = "auto"
+    """`auto`/`generated`: the word list; `hub` fails (there is no hub dataset)."""
+    num_examples: int | None = Field(None, ge=1)
+    """Another name for `num_train_examples`."""
+
+    @model_validator(mode="after")
+    def _one_train_count(self) -> Self:
+        if self.num_examples is not None and self.num_train_examples not in (2000, self.num_examples):
+            raise ValueError(f"num_examples is another name for num_train_examples; give one, "
+                             f"got {self.num_examples} and {self.num_train_examples}")
+        return self
+
+    @property
+    def train_count(self) -> int:
+        return self.num_train_examples if self.num_examples is None else self.num_examples
+
+
+def load_environment(**args: Any) -> WordleEnv:
+    """wordle with ``args`` (``WordleArgs``)."""
+    a = WordleArgs.parse(args)
+    words = read_words(a.words_path) if a.words_path is not None else None
+    if a.data_path is None and a.source != "hub":
         words = words or common_words()
-        train, evals = secret_words(words, num_train_examples, num_eval_examples, seed)
+        train, evals = secret_words(words, a.train_count, a.num_eval_examples, a.seed)
         train_rows, eval_rows = _rows(train), _rows(evals)
     else:  # a file of secret words (or source="hub", which load_rows refuses clearly)
-        rows, _ = load_rows(source=source, data_path=data_path, hub_id=None)
+        rows, _ = load_rows(source=a.source, data_path=a.data_path, hub_id=None)
         found = []
         for i, row in enumerate(rows):
             secret = str(row.get("answer") or row.get("word") or "").strip().lower() if isinstance(row, dict) else ""
             if not _WORD.fullmatch(secret):
-                raise ValueError(f"{ENV}: data_path {data_path!r} row {i}: `answer` must be a 5-letter word a-z, got {secret!r}")
+                raise ValueError(f"{ENV}: data_path {a.data_path!r} row {i}: `answer` must be a 5-letter word a-z, got {secret!r}")
             found.append(secret)
         found = list(dict.fromkeys(found))
-        train, evals = secret_words(tuple(found), max(1, len(found) - num_eval_examples), num_eval_examples, seed)
-        train_rows, eval_rows = _rows(train[:num_train_examples]), _rows(evals)
+        train, evals = secret_words(tuple(found), max(1, len(found) - a.num_eval_examples), a.num_eval_examples, a.seed)
+        train_rows, eval_rows = _rows(train[: a.train_count]), _rows(evals)
 
     parser = XMLParser(["guess"], answer_field="guess")
     allowed = None
-    if check_words:
+    if a.check_words:
         allowed = frozenset(words or common_words()) | {r["answer"] for r in (*train_rows, *eval_rows)}
     return WordleEnv(
         allowed,
         dataset=train_rows,
         eval_dataset=eval_rows or None,
-        system_prompt=system_prompt,
+        system_prompt=a.system_prompt,
         parser=parser,
         rubric=make_rubric(parser),
     )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from prime_rl.commands.common import load_run_config, new_run_dir, print_options_help, served_process_specs
 from prime_rl.config import GepaRunConfig
+from prime_rl.extras import import_extra
 from prime_rl.launch.launcher import run
 from prime_rl.launch.resolve import in_run_dir, resolve_gepa
 
@@ -35,6 +36,7 @@ def main(argv: list[str]) -> int:
                            "results and proposes prompts; a Pareto frontier is kept over validation examples.",
                            GEPA_OPTIONS, GepaRunConfig, "env")
         return 0
+    import_extra("gepa", "prime-rl gepa")  # before any server starts
     config = resolve_gepa(load_run_config(GepaRunConfig, argv, GEPA_OPTIONS, "env", GEPA_USAGE))
     run_dir = new_run_dir(config)
     config = in_run_dir(config, run_dir)
