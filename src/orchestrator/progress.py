@@ -2,7 +2,7 @@
 
     rollouts/step_n/
       rank_R.msgpack    the batch for trainer rank R, exactly the frame sent (prime_rl.wire)
-      progress.json     data cursor before and after step n, the examples picked, the
+      progress.json     data cursor before and after step n, the batch's examples, the
                         policy versions sampled with, the step's metrics row, the data order,
                         and (continuous batching) the examples started but in no batch yet
       STABLE            marker, written last
