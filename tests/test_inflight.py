@@ -1,8 +1,10 @@
-"""Continuous batching (orchestrator.inflight): groups in flight across step boundaries, the
-per-group async bound, and what a resume needs, on environments whose groups complete when
-the test says so."""
+"""The group pool (orchestrator.inflight): groups in flight across step boundaries
+(continuous batching), the per-group async bound, what a resume needs, and the step barrier
+as the pool with one step in flight, on environments whose groups complete when the test
+says so."""
 
 import asyncio
+import random
 
 import pytest
 from prime_rl.config import FilterConfig
@@ -51,12 +53,12 @@ class Version:
         return self.value
 
 
-def make_pool(env, version, *, k=2, async_level=1, max_inflight=8, pending=(), logs=None, max_steps=None):
+def make_pool(env, version, *, k=2, async_level=1, max_inflight=8, pending=(), logs=None, max_steps=None, one_step=False):
     order = ExampleOrder([len(env.dataset)], seed=0)
     pool = GroupPool(
         [("env", env)], order, sampler=None, rollouts_per_example=N, groups_per_step=k, async_level=async_level,
         max_inflight=max_inflight, version=version, pending=list(pending),
-        log=(logs.append if logs is not None else lambda _: None), max_steps=max_steps,
+        log=(logs.append if logs is not None else lambda _: None), max_steps=max_steps, one_step=one_step,
     )
     return pool, ExampleOrder([len(env.dataset)], seed=0)
 
@@ -264,6 +266,7 @@ def test_the_filter_drops_groups_without_signal_up_to_its_cap():
         cut = await pool.cut(0, stall, 5, f)
         assert examples(cut.groups) == [picks[1][1]]  # the first dropped, the second kept at the cap
         assert cut.filter_row["filter/extra_rollouts"] == N and cut.filter_row["filter/topped_up"] == 1
+        assert cut.filter_row["filter/dropped_frac"] == 1.0  # both rejected, the topped-up one too
         await pool.close()
 
     asyncio.run(go())
@@ -279,3 +282,131 @@ def test_no_group_starts_for_a_step_past_the_last():
         await pool.close()
 
     asyncio.run(go())
+
+
+# --------------------------------------------------------------------------- one step in flight (the step barrier)
+
+
+def test_one_step_in_flight_starts_only_the_steps_groups_and_takes_them_in_start_order():
+    """Version 0 and async_level 1 would admit steps 0 and 1; with one step in flight only
+    step 0's two groups start (nothing before the cut: the policy is synced there), the batch
+    is in start order though the second finished first, and nothing starts for step 1."""
+    async def go():
+        env, version = GatedEnv(), Version()
+        pool, reference = make_pool(env, version, k=2, async_level=1, max_inflight=8, one_step=True)
+        picks = reference.next(2)
+        pool.fill(0)
+        await settle()
+        assert env.started == []
+        cutting = asyncio.create_task(pool.cut(0, stall, 5))
+        await settle()
+        assert env.started == [i for _, i in picks]
+        env.gate(picks[1][1]).set()
+        await settle()
+        assert not cutting.done()  # the first started still runs: the step waits for it
+        env.gate(picks[0][1]).set()
+        cut = await cutting
+        assert examples(cut.groups) == [i for _, i in picks] and cut.in_flight == 0 and pool.pending() == []
+        assert cut.span_s == cut.wait_s  # nothing generates between cuts: the rate's basis is the cut
+        await settle()
+        assert len(env.started) == 2
+        await pool.close()
+
+    asyncio.run(go())
+
+
+def barrier_step(patterns, k, **filter_args):
+    """One step on the one-step pool (the step barrier) over groups whose rewards are
+    ``patterns[example]``, every group complete at once: (examples sampled, the batch's
+    examples, the filter row)."""
+    async def go():
+        env = GatedEnv(size=len(patterns))
+        for i, rewards in enumerate(patterns):
+            env.rewards[i] = rewards
+            env.gate(i).set()
+        pool, _ = make_pool(env, Version(), k=k, async_level=0, one_step=True)
+        cut = await pool.cut(0, stall, 5, FilterConfig(enabled=True, **filter_args))
+        await pool.close()
+        return env.started, examples(cut.groups), cut.filter_row
+
+    return asyncio.run(go())
+
+
+def test_filtering_replaces_groups_without_signal_until_the_batch_is_full():
+    """(Was tests/test_orchestrator_main.py's, on the barrier's own sampling loop.)"""
+    patterns = [[0, 0], [1, 0], [1, 1], [0, 1], [0, 0], [1, 1], [1, 0], [0, 0]]  # 3 of 8 informative
+    sampled, batch, row = barrier_step(patterns, k=2)
+    assert len(batch) == 2 and all(patterns[i][0] != patterns[i][1] for i in batch)
+    # every example was sampled; the ones beyond the first 2 are the extra examples
+    informative = [patterns[i][0] != patterns[i][1] for i in sampled]
+    assert sum(informative) == 2 and informative[-1]  # it stopped at the second informative group
+    assert row["filter/extra_rollouts"] == 2 * (len(sampled) - 2)
+    assert row["filter/dropped_frac"] == pytest.approx((len(sampled) - 2) / len(sampled))
+    assert row["filter/topped_up"] == 0
+
+
+def test_filtering_stops_at_its_cap_and_fills_the_batch_with_dropped_groups():
+    """(Was tests/test_orchestrator_main.py's, on the barrier's own sampling loop.)"""
+    patterns = [[0, 0], [1, 1], [0, 0], [1, 1], [1, 0]]
+    sampled, batch, row = barrier_step(patterns, k=2, max_extra_examples=1)
+    assert len(sampled) == 3 and row["filter/extra_rollouts"] == 2
+    kept = [i for i in batch if patterns[i][0] != patterns[i][1]]
+    assert len(batch) == 2 and row["filter/topped_up"] == 2 - len(kept)
+    assert row["filter/sampled_reward_mean"] == pytest.approx(sum(sum(patterns[i]) for i in sampled) / 6)
+
+
+def test_without_filtering_the_step_is_the_next_k_examples():
+    """(Was tests/test_orchestrator_main.py's, on the barrier's own sampling loop.)"""
+    async def go():
+        env = GatedEnv(size=3)
+        for i in range(3):
+            env.gate(i).set()
+        pool, reference = make_pool(env, Version(), k=2, async_level=0, one_step=True)
+        cut = await pool.cut(0, stall, 5)
+        await pool.close()
+        return env.started, examples(cut.groups), cut.filter_row, reference.next(2)
+
+    sampled, batch, row, first = asyncio.run(go())
+    assert sampled == batch == [i for _, i in first] and row == {}
+
+
+def old_barrier(verdicts, k, cap):
+    """The step barrier as it sampled before it was the one-step pool: rounds of examples in
+    the seeded order, all of a round at once; each round replaces the groups the filter
+    rejected, up to ``cap`` extra examples; a batch still short takes the first dropped.
+    ``verdicts[j]``: whether the filter keeps the order's j-th example. Returns (examples
+    sampled, the batch's order positions)."""
+    kept, dropped, sampled, extra = [], [], k, 0
+    judged = 0
+    while True:
+        for j in range(judged, sampled):
+            (kept if verdicts[j] else dropped).append(j)
+        judged = sampled
+        more = min(k - len(kept), cap - extra)
+        if more <= 0:
+            return sampled, kept[:k] + dropped[: max(0, k - len(kept))]
+        sampled, extra = sampled + more, extra + more
+
+
+def test_the_one_step_pool_samples_the_examples_the_old_barrier_did_and_trains_the_same_batch():
+    """Random reward patterns: the same examples sampled, the same batch in the same order
+    whenever the cap does not bind; when it binds, the same informative groups and as many
+    topped-up ones (the filter now tops up with the last rejected, as the continuous pool
+    always did, where the barrier took the first)."""
+    rng = random.Random(0)
+    binding = 0
+    for _ in range(150):
+        size, k, cap = 40, rng.randint(1, 4), rng.randint(0, 5)
+        patterns = [[rng.choice([0.0, 1.0]) for _ in range(N)] for _ in range(size)]
+        sampled, batch, row = barrier_step(patterns, k=k, max_extra_examples=cap)
+        order = [i for _, i in ExampleOrder([size], seed=0).next(size)]
+        count, positions = old_barrier([patterns[i][0] != patterns[i][1] for i in order], k, cap)
+        assert sampled == order[:count]
+        expected = [order[j] for j in positions]
+        if row["filter/topped_up"] == 0:
+            assert batch == expected
+        else:
+            binding += 1
+            informative = [i for i in batch if patterns[i][0] != patterns[i][1]]
+            assert informative == [i for i in expected if patterns[i][0] != patterns[i][1]] and len(batch) == k
+    assert 10 < binding < 140  # both cases were exercised

@@ -16,7 +16,7 @@ from orchestrator.batch import ScoredRollout, pack_batches
 from orchestrator.data import ExampleOrder
 from fake_inference import FakeInferenceServer
 from orchestrator.main import WEIGHTS_POLL_S, main, resume, sync_policy
-from orchestrator.progress import StepRecord, save_record
+from orchestrator.progress import Cursor, StepRecord, save_record
 
 from helpers import free_port, orchestrator_process
 
@@ -108,11 +108,12 @@ def test_resume_on_another_rank_count_repacks_the_recorded_batches(tmp_path, cap
     batches = pack_batches(items, step=1, num_ranks=2, micro_batch_size=2, temperature=1.0, seq_len=16)
     data = {"seed": 0, "dataset_sizes": [10], "weights": [1.0], "examples_per_step": 2}
     frames = [encode_batch(b) for b in batches]
-    save_record(tmp_path, StepRecord(1, frames, {"counts": [2]}, {"counts": [4]}, [(0, 2), (0, 3)], 1, 1, data))
+    save_record(tmp_path, StepRecord(step=1, frames=frames, before=Cursor({"counts": [2]}), after=Cursor({"counts": [4]}),
+                                     picks=[(0, 2), (0, 3)], min_version=1, max_version=1, data=data))
     cfg = OrchestratorConfig(output_dir=tmp_path, batch_size=4, rollouts_per_example=2, micro_batch_size=2,
                              ckpt={"resume_step": 1})
     sender = RecordingSender()
-    cursor = {"order": {"counts": [4]}, "pending": []}
+    cursor = Cursor({"counts": [4]}, [])
     assert resume(cfg, data, ExampleOrder([10], seed=0), sender, Metrics("orchestrator", [])) == (2, 1, cursor)
     assert "re-packed step 1's batch from 2 ranks to 1" in capsys.readouterr().out
     ((rank, step, frame),) = sender.sent
@@ -121,12 +122,15 @@ def test_resume_on_another_rank_count_repacks_the_recorded_batches(tmp_path, cap
     assert [[s.advantage for s in m.samples] for m in batch.micro_batches] == [[0, 1], [2, 3]]
 
 
-def test_two_steps_end_to_end(tmp_path, tiny_model):
+@pytest.mark.parametrize("batching", ["continuous", "step"])
+def test_two_steps_end_to_end(tmp_path, tiny_model, batching):
     """async_level=0 (on-policy): step 0 uses the initial model; step 1 must wait for
     weights/step_1, which this test (the trainer) writes only after receiving step 0's batch.
-    A preflight check runs first; eval runs every step and on the final weights."""
+    A preflight check runs first; eval runs every step and on the final weights. Both
+    schedules: the weight follower loads step_1 (continuous), or step 1's sync does (step)."""
     port = free_port()
     config = {
+        "batching": batching,
         "model": str(tiny_model),
         "preflight": {"num_examples": 2, "rollouts_per_example": 2},
         "eval": {"interval": 1, "num_examples": 3},
@@ -298,61 +302,6 @@ def test_per_turn_trains_each_turn_of_a_template_that_rewrites_earlier_turns(tmp
         text2 = bytes(t for t in ids2 if t < 256).decode()
         assert text2.count("<think>") == 1 and "assistant\nok" in text2  # turn 1 re-rendered without it
         assert first.advantage == second.advantage
-
-
-class ScriptedEnv:
-    """An environment whose example i is the list of rewards its group gets."""
-
-    def __init__(self, patterns):
-        self.dataset = patterns
-
-    async def rollout_group(self, sampler, example, n):
-        from types import SimpleNamespace
-
-        return [SimpleNamespace(reward=float(r)) for r in example]
-
-
-def filtered_step(patterns, k=2, **filter_args):
-    from orchestrator.data import ExampleOrder
-    from orchestrator.main import sample_step
-
-    cfg = OrchestratorConfig(rollouts_per_example=2, batch_size=2 * k, filter={"enabled": True, **filter_args})
-    order = ExampleOrder([len(patterns)], seed=0)
-    picks, rollouts, row = asyncio.run(sample_step([("e", ScriptedEnv(patterns))], order, None, cfg, k))
-    groups = [[r.reward for _, r in rollouts[i : i + 2]] for i in range(0, len(rollouts), 2)]
-    return picks, groups, row
-
-
-def test_filtering_replaces_groups_without_signal_until_the_batch_is_full():
-    patterns = [[0, 0], [1, 0], [1, 1], [0, 1], [0, 0], [1, 1], [1, 0], [0, 0]]  # 3 of 8 informative
-    picks, groups, row = filtered_step(patterns, k=2)
-    assert len(groups) == 2 and all(g[0] != g[1] for g in groups)
-    # every pick was sampled; the ones beyond the first 2 are the extra examples
-    informative = [patterns[i][0] != patterns[i][1] for _, i in picks]
-    assert sum(informative) == 2 and informative[-1]  # it stopped at the second informative group
-    assert row["filter/extra_rollouts"] == 2 * (len(picks) - 2)
-    assert row["filter/dropped_frac"] == pytest.approx((len(picks) - 2) / len(picks))
-    assert row["filter/topped_up"] == 0
-
-
-def test_filtering_stops_at_its_cap_and_fills_the_batch_with_dropped_groups():
-    patterns = [[0, 0], [1, 1], [0, 0], [1, 1], [1, 0]]
-    picks, groups, row = filtered_step(patterns, k=2, max_extra_examples=1)
-    assert len(picks) == 3 and row["filter/extra_rollouts"] == 2
-    kept = [g for g in groups if g[0] != g[1]]
-    assert len(groups) == 2 and row["filter/topped_up"] == 2 - len(kept)
-    sampled = [patterns[i] for _, i in picks]
-    assert row["filter/sampled_reward_mean"] == pytest.approx(sum(map(sum, sampled)) / 6)
-
-
-def test_without_filtering_the_step_is_the_next_k_examples():
-    from orchestrator.data import ExampleOrder
-    from orchestrator.main import sample_step
-
-    patterns = [[0, 0], [1, 1], [0, 1]]
-    cfg = OrchestratorConfig(rollouts_per_example=2, batch_size=4)
-    picks, rollouts, row = asyncio.run(sample_step([("e", ScriptedEnv(patterns))], ExampleOrder([3], seed=0), None, cfg, 2))
-    assert len(picks) == 2 and len(rollouts) == 4 and row == {}
 
 
 # --------------------------------------------------------------------------- never a silent hang

@@ -1,11 +1,14 @@
 """The orchestrator's progress records and what a resume makes of them."""
 
+import json
 from collections import Counter
 
 import pytest
 
 from orchestrator.batch import ScoredRollout, pack_batches
 from orchestrator.progress import (
+    PROGRESS_FILE,
+    Cursor,
     ResumeError,
     StepRecord,
     load_record,
@@ -26,8 +29,8 @@ def record(step: int, versions: tuple[int, int], ranks: int = 1) -> StepRecord:
     return StepRecord(
         step=step,
         frames=[f"batch {step} rank {r}".encode() for r in range(ranks)],
-        cursor_before=2 * step,
-        cursor_after=2 * step + 2,
+        before=Cursor(2 * step),
+        after=Cursor(2 * step + 2),
         picks=[(0, 2 * step), (0, 2 * step + 1)],
         min_version=versions[0],
         max_version=versions[1],
@@ -59,18 +62,35 @@ def test_resume_resends_what_the_checkpointed_policy_sampled_and_resamples_the_r
     plan = plan_resume(tmp_path, 4, DATA)
     assert [r.step for r in plan.replay] == [4, 5]
     assert [r.frames for r in plan.replay] == [[b"batch 4 rank 0"], [b"batch 5 rank 0"]]
-    assert (plan.next_step, plan.cursor) == (6, 12)  # step 6 samples the same examples again
+    assert (plan.next_step, plan.cursor) == (6, Cursor(12))  # step 6 samples the same examples again
     assert complete_steps(rollouts_dir(tmp_path)) == [3, 4, 5]
     assert sorted(p.name for p in rollouts_dir(tmp_path).iterdir()) == ["step_3", "step_4", "step_5"]
     # Resuming again from the same checkpoint decides the same.
     again = plan_resume(tmp_path, 4, DATA)
-    assert ([r.step for r in again.replay], again.next_step, again.cursor) == ([4, 5], 6, 12)
+    assert ([r.step for r in again.replay], again.next_step, again.cursor) == ([4, 5], 6, Cursor(12))
 
 
 def test_resume_without_recorded_batches_continues_from_the_previous_cursor(tmp_path):
     save_record(tmp_path, record(3, (2, 3)))
     plan = plan_resume(tmp_path, 4, DATA)
-    assert (plan.replay, plan.next_step, plan.cursor) == ([], 4, 8)
+    assert (plan.replay, plan.next_step, plan.cursor) == ([], 4, Cursor(8))
+
+
+def test_the_examples_in_flight_round_trip_in_the_layout_older_records_have(tmp_path):
+    """progress.json keeps its flat keys (cursor_/pending_ before and after), so records of
+    runs made before ``Cursor`` still resume; one without pending lists reads as none."""
+    saved = record(3, (2, 3))
+    saved.before, saved.after = Cursor(6, [(0, 9)]), Cursor(8, [(0, 9), (0, 11)])
+    save_record(tmp_path, saved)
+    meta = json.loads((rollouts_step_dir(tmp_path, 3) / PROGRESS_FILE).read_text())
+    assert (meta["cursor_before"], meta["pending_before"], meta["cursor_after"], meta["pending_after"]) == (
+        6, [[0, 9]], 8, [[0, 9], [0, 11]])
+    assert load_record(tmp_path, 3) == saved
+    assert plan_resume(tmp_path, 4, DATA).cursor == Cursor(8, [(0, 9), (0, 11)])
+    for key in ("pending_before", "pending_after"):
+        del meta[key]
+    (rollouts_step_dir(tmp_path, 3) / PROGRESS_FILE).write_text(json.dumps(meta))
+    assert (load_record(tmp_path, 3).before, load_record(tmp_path, 3).after) == (Cursor(6), Cursor(8))
 
 
 def test_resume_without_progress_or_with_other_data_settings_is_refused(tmp_path):

@@ -1,4 +1,5 @@
-"""Continuous batching: groups of rollouts in flight across step boundaries.
+"""The group pool every step's batch is cut from: groups of rollouts in flight across step
+boundaries (continuous batching), or within one step (the step barrier, below).
 
 The pool keeps up to ``max_inflight`` groups (one example's ``rollouts_per_example``
 rollouts) in flight at all times. A group starts as soon as a slot is free and the async
@@ -23,6 +24,15 @@ train that step: ``version >= next_step + j // groups_per_step - async_level``, 
 when that step exists (< ``max_steps``). The orchestrator therefore never samples further
 ahead than ``async_level``, nor past the run's last step.
 
+One step in flight (``one_step``, `batching = "step"`): the step barrier is this pool with
+groups started only for the step being cut, so nothing samples between cuts and the
+orchestrator syncs the policy there (``orchestrator.main.sync_policy``); the step takes its
+groups in start order, which it waits for all of anyway, so its batch depends on the
+examples alone, not on which group finished first.
+
+Filtering (``orchestrator.filtering``): a group the step's filter rejects leaves the step a
+slot short, so another group starts in its place (the async bound and the slots allowing).
+
 Determinism, for a resume: examples are picked from the seeded order as groups start.
 ``pending()`` lists the picks of the groups started but in no batch yet, in start order;
 a resume re-starts them first and then continues the order from its recorded cursor, so
@@ -38,12 +48,11 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import numpy as np
 from prime_rl.config import FilterConfig
 from prime_rl.envs import Environment, Rollout
 
-from orchestrator.advantages import keep_groups
 from orchestrator.data import ExampleOrder
+from orchestrator.filtering import StepFilter
 
 
 @dataclass
@@ -84,9 +93,11 @@ class Cut:
 
     span_s: float
     """Time since the previous cut (or since the pool began): what this step's groups took
-    to generate in the steady state, the basis of a rate."""
+    to generate in the steady state, the basis of a rate. With one step in flight nothing
+    generates between cuts: the cut's own time (``wait_s``)."""
 
     filter_row: dict[str, float | int]
+    """The step's `filter/*` metrics (``StepFilter.row``)."""
 
 
 class GroupPool:
@@ -104,6 +115,7 @@ class GroupPool:
         pending: list[tuple[int, int]] = (),
         log: Callable[[str], None] = print,
         max_steps: int | None = None,
+        one_step: bool = False,
     ):
         self.envs, self.order, self.sampler = envs, order, sampler
         self.n, self.k, self.async_level, self.max_inflight = rollouts_per_example, groups_per_step, async_level, max_inflight
@@ -111,6 +123,10 @@ class GroupPool:
         """The policy version the inference server serves now."""
         self.max_steps = max_steps
         """No group starts that would land in a step at or past this one (the run's end)."""
+        self.one_step = one_step
+        """The step barrier: groups start only for the step being cut, taken in start order."""
+        self._horizon = max_steps
+        """No group starts for a step at or past this one now (``_open``)."""
         self.log = log
         self._restart = deque(tuple(p) for p in pending)
         """Picks to start before drawing new ones: a resumed run's groups that were in flight."""
@@ -124,29 +140,24 @@ class GroupPool:
     # ----------------------------------------------------------------------- the step's batch
 
     async def cut(self, step: int, stall: Callable[[int], str], stall_timeout_s: float, filter: FilterConfig | None = None) -> Cut:
-        """The next ``groups_per_step`` usable groups for ``step``, in completion order; waits
-        for groups in flight, and when none is in flight and the async bound admits none,
-        for new weights (``stall(version needed)`` names them; TimeoutError after
-        ``stall_timeout_s``). With an enabled ``filter``, groups it rejects are dropped while
-        its ``max_extra_examples`` allow, then accepted."""
+        """The next ``groups_per_step`` usable groups for ``step``, in completion order (with
+        one step in flight, start order); waits for groups in flight, and when none is in
+        flight and the async bound admits none, for new weights (``stall(version needed)``
+        names them; TimeoutError after ``stall_timeout_s``). With an enabled ``filter``, the
+        groups it rejects are dropped while its ``max_extra_examples`` allow, then taken."""
         start = time.perf_counter()
+        self._open(step)
         taken: list[Group] = []
-        stale = rejected = topped_up = 0
-        rewards: list[float] = []
+        judge = StepFilter(filter, self.n)
+        stale = 0
         bound = step - self.async_level
         while True:
             self._raise_failure()
             stale += self._drop_stale(step, bound)
             while len(taken) < self.k and (group := self._next_done(step, len(taken))) is not None:
                 self._done.remove(group)
-                group_rewards = [r.reward for _, r in group.rollouts]
-                rewards += group_rewards
-                if filter is not None and filter.enabled and not self._keeps(group_rewards, filter):
-                    if rejected < filter.max_extra_examples:
-                        rejected += 1
-                        continue
-                    topped_up += 1
-                taken.append(group)
+                if judge.takes([r.reward for _, r in group.rollouts]):
+                    taken.append(group)
             if len(taken) == self.k:
                 break
             self._admit(step, len(taken))
@@ -154,23 +165,18 @@ class GroupPool:
                 await self._wait_changed(None)
             else:
                 await self.wait_for_version(bound, stall, stall_timeout_s)
-        self._admit(step + 1, 0)  # keep generating while the trainer trains this step
-        row = {}
-        if filter is not None and filter.enabled:
-            row = {
-                "filter/dropped_frac": rejected / (len(taken) + rejected),
-                "filter/extra_rollouts": rejected * self.n,
-                "filter/topped_up": topped_up,
-                "filter/sampled_reward_mean": float(np.mean(rewards)),
-            }
+        self._admit(step + 1, 0)  # keep generating while the trainer trains this step (not past the horizon)
         now = time.perf_counter()
-        span, self._last_cut = now - self._last_cut, now
-        return Cut(taken, stale, now - start, len(self._in_flight), span, row)
+        span, self._last_cut = now - (start if self.one_step else self._last_cut), now
+        return Cut(taken, stale, now - start, len(self._in_flight), span, judge.row())
 
     def fill(self, next_step: int) -> None:
         """Start as many groups as the slots and the async bound allow for ``next_step`` on
-        (``cut`` does it too; this starts generation before the first cut)."""
-        self._admit(next_step, 0)
+        (``cut`` does it too; this starts generation before the first cut). With one step in
+        flight, nothing: the step's groups start at its cut, after the policy is synced."""
+        if not self.one_step:
+            self._open(next_step)
+            self._admit(next_step, 0)
 
     def pending(self) -> list[tuple[int, int]]:
         """Picks of the groups started but in no batch yet (completed or in flight), in start
@@ -199,6 +205,11 @@ class GroupPool:
 
     # ----------------------------------------------------------------------- internals
 
+    def _open(self, step: int) -> None:
+        """``step`` is the next to be cut: with one step in flight, groups may start for it
+        alone; otherwise for every step up to the run's end."""
+        self._horizon = step + 1 if self.one_step else self.max_steps
+
     def _drop_stale(self, step: int, bound: int) -> int:
         """Drop the completed groups older than ``bound`` (logged); returns how many."""
         stale = [group for group in self._done if group.version < bound]
@@ -209,10 +220,15 @@ class GroupPool:
         return len(stale)
 
     def _next_done(self, step: int, taken: int) -> Group | None:
-        """The completed group ``step`` takes next: first one that could train no later step
-        (it expires with this one), else the first to complete, unless the slots left are
-        needed by groups still in flight that expire with this step (the step then waits
-        for them rather than let them go stale); None = wait."""
+        """The completed group ``step`` takes next: with one step in flight, the first
+        started (all of them are the step's); otherwise the first one that could train no
+        later step (it expires with this one), else the first to complete, unless the slots
+        left are needed by groups still in flight that expire with this step (the step then
+        waits for them rather than let them go stale); None = wait."""
+        if self.one_step:
+            first = min(self._done, key=lambda group: group.seq, default=None)
+            return first if first is not None and first.seq < min(self._in_flight, default=self._seq) else None
+
         def expires(group: Group) -> bool:
             return group.version < step + 1 - self.async_level
 
@@ -224,15 +240,12 @@ class GroupPool:
             return self._done[0]
         return None
 
-    def _keeps(self, rewards: list[float], f: FilterConfig) -> bool:
-        return bool(keep_groups(rewards, self.n, f.drop_equal_rewards, f.min_mean_reward, f.max_mean_reward)[0])
-
     def _admit(self, next_step: int, taken: int) -> None:
         """Start groups while a slot is free and the version served now may train the step
         each new group would land in."""
         j = taken + len(self._done) + len(self._in_flight)
         while (len(self._in_flight) < self.max_inflight and self.version() >= next_step + j // self.k - self.async_level
-               and (self.max_steps is None or next_step + j // self.k < self.max_steps)):
+               and (self._horizon is None or next_step + j // self.k < self._horizon)):
             self._start(self._restart.popleft() if self._restart else self.order.next(1)[0])
             j += 1
 

@@ -4,22 +4,24 @@
 
 Before the first step of a fresh run, a preflight check of the task's difficulty
 (`orchestrator.preflight`). Per step n (0..max_steps-1), top to bottom:
-  (a)-(d) the step's rollouts, by one of two schedules (`batching`):
-      continuous (the default, `orchestrator.inflight`): groups of rollouts stay in flight
-        across step boundaries, up to `max_inflight_groups`; the step's batch is cut from
-        the groups that completed first; a group older than n - async_level is dropped
-        (counted in `batch/stale_groups_dropped`, never trained on). Meanwhile the weight
-        follower loads each new complete `weights/step_K/` as soon as it appears, while
-        requests are in flight (vLLM's `/pause?mode=keep`: they continue on the new weights,
-        so one completion may hold tokens of two versions; each keeps the logprob it was
-        sampled with, and the prefix cache is salted per version). Evaluation runs beside
-        the groups in flight;
-      step (the barrier): (a) sync the policy: inference must serve weights of version
-        >= n - async_level, reloaded between steps (with LoRA, the adapter; with
-        `client.verify_reload`, the replicas must then score a probe prompt alike); (b)
-        evaluate every `eval.interval` steps; (c) pick the step's examples; (d) run every
-        rollout of the step concurrently (with `[orchestrator.filter]`: drop groups that
-        teach nothing, sample replacements);
+  (a)-(d) the step's groups, cut from one pool of groups in flight (`orchestrator.inflight`)
+      on either of two schedules (`batching`):
+      continuous (the default): groups stay in flight across step boundaries, up to
+        `max_inflight_groups`; the step's batch is cut from the groups that completed first;
+        a group older than n - async_level is dropped (counted in
+        `batch/stale_groups_dropped`, never trained on). Meanwhile the weight follower loads
+        each new complete `weights/step_K/` as soon as it appears, while requests are in
+        flight (vLLM's `/pause?mode=keep`: they continue on the new weights, so one
+        completion may hold tokens of two versions; each keeps the logprob it was sampled
+        with, and the prefix cache is salted per version). Evaluation runs beside the groups
+        in flight;
+      step (the barrier: the same pool with one step in flight): (a) sync the policy:
+        inference must serve weights of version >= n - async_level, reloaded between steps
+        (with LoRA, the adapter; with `client.verify_reload`, the replicas must then score a
+        probe prompt alike); (b) evaluate every `eval.interval` steps; (c)-(d) the step's
+        groups all start at once and are taken in start order.
+      Either way, with `[orchestrator.filter]`, groups that teach nothing are dropped and
+      replaced (`orchestrator.filtering`);
   (e) advantages within each example's group of rollouts;
   (e') with a distillation teacher, its logprob of every sampled token;
   (f) pack one batch per trainer rank, record it, send it;
@@ -43,13 +45,13 @@ from __future__ import annotations
 import asyncio
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 from prime_rl.chat import TemplateError
 from prime_rl.config import EnvConfig, OrchestratorConfig
-from prime_rl.envs import Environment, Rollout
+from prime_rl.envs import Environment
 from prime_rl.heartbeat import Heartbeat
 from prime_rl.metrics import Metrics, make_metrics
 from prime_rl.registry import SET_PARSER
@@ -57,15 +59,23 @@ from prime_rl.rundir import MARKER, latest_weights_step, weights_dir, weights_st
 from prime_rl.settings import ConfigError, help_text, process_config
 from prime_rl.wire import encode_batch
 
-from orchestrator.advantages import group_advantages, keep_groups, zero_variance_groups
+from orchestrator.advantages import group_advantages, zero_variance_groups
 from orchestrator.batch import ScoredRollout, pack_batches
-from orchestrator.client import InferenceClient, InferenceError
+from orchestrator.client import InferenceClient
 from orchestrator.data import ExampleOrder
 from orchestrator.envs import load_env
 from orchestrator.entry import check_tool_parser, load_tokenizer, run_entry
-from orchestrator.inflight import Cut, GroupPool
+from orchestrator.inflight import Group, GroupPool
 from orchestrator.preflight import PreflightFailed, preflight
-from orchestrator.progress import ResumeError, StepRecord, plan_resume, prune_records, repacked_frames, save_record
+from orchestrator.progress import (
+    Cursor,
+    ResumeError,
+    StepRecord,
+    plan_resume,
+    prune_records,
+    repacked_frames,
+    save_record,
+)
 from orchestrator.rollouts import function_figures, run_groups, summarize
 from orchestrator.sampler import TokenSampler, check_multi_turn_template
 from orchestrator.sender import BatchSender
@@ -122,64 +132,6 @@ async def sync_policy(
     reload_s = time.perf_counter() - start
     probes = await client.probe_replicas() if cfg.client.verify_reload else []
     return PolicySync(version=latest, reloaded_step=latest, wait_s=wait_s, reload_s=reload_s, probe_logprobs=tuple(probes))
-
-
-# --------------------------------------------------------------------------- (c) generation
-
-
-async def generate(
-    envs: list[tuple[str, Environment]], picks: list[tuple[int, int]], sampler: TokenSampler, n: int
-) -> list[tuple[str, Rollout]]:
-    """All rollouts of the step, group by group: [len(picks) * n] (environment name, rollout)."""
-    # A TaskGroup cancels the other groups as soon as one fails.
-    async with asyncio.TaskGroup() as group:
-        tasks = [group.create_task(envs[e][1].rollout_group(sampler, envs[e][1].dataset[i], n)) for e, i in picks]
-    rollouts = [(envs[e][0], rollout) for (e, _), task in zip(picks, tasks) for rollout in task.result()]
-    if len(rollouts) != len(picks) * n:
-        raise InferenceError(f"expected {len(picks) * n} rollouts, got {len(rollouts)}")
-    return rollouts
-
-
-async def sample_step(
-    envs: list[tuple[str, Environment]], order: ExampleOrder, sampler: TokenSampler, cfg: OrchestratorConfig, k: int
-) -> tuple[list[tuple[int, int]], list[tuple[str, Rollout]], dict[str, float | int]]:
-    """(every example picked, the batch's rollouts group by group, filter metrics) for ``k`` groups.
-
-    Without filtering: the next ``k`` examples and their rollouts. With it: groups
-    ``keep_groups`` rejects are dropped and the shortfall is sampled again from the next
-    examples, at most ``filter.max_extra_examples`` more per step; a batch still short
-    after that is filled with dropped groups (in sampling order) so every step trains on
-    ``batch_size`` rollouts."""
-    n, f = cfg.rollouts_per_example, cfg.filter
-    picks = order.next(k)
-    rollouts = await generate(envs, picks, sampler, n)
-    if not f.enabled:
-        return picks, rollouts, {}
-    kept: list[list[tuple[str, Rollout]]] = []
-    dropped: list[list[tuple[str, Rollout]]] = []
-    sampled_rewards: list[float] = []
-    extra = 0
-    while True:
-        groups = [rollouts[i : i + n] for i in range(0, len(rollouts), n)]
-        rewards = [r.reward for _, r in rollouts]
-        sampled_rewards += rewards
-        for group, keep in zip(groups, keep_groups(rewards, n, f.drop_equal_rewards, f.min_mean_reward, f.max_mean_reward)):
-            (kept if keep else dropped).append(group)
-        more = min(k - len(kept), f.max_extra_examples - extra)
-        if more <= 0:
-            break
-        new_picks = order.next(more)
-        picks, extra = picks + new_picks, extra + more
-        rollouts = await generate(envs, new_picks, sampler, n)
-    topped_up = max(0, k - len(kept))
-    batch = kept[:k] + dropped[:topped_up]
-    row = {
-        "filter/dropped_frac": len(dropped) / (len(kept) + len(dropped)),
-        "filter/extra_rollouts": extra * n,
-        "filter/topped_up": topped_up,
-        "filter/sampled_reward_mean": float(np.mean(sampled_rewards)),
-    }
-    return picks, [item for group in batch for item in group], row
 
 
 def check_async_bound(items: list[ScoredRollout], step: int, async_level: int) -> None:
@@ -266,22 +218,70 @@ def env_metrics(items: list[ScoredRollout]) -> dict[str, float | int]:
     return row
 
 
-# --------------------------------------------------------------------------- (a)-(d) with continuous batching
+# --------------------------------------------------------------------------- (a)-(d) the step's groups
 
 
 @dataclass
 class Reloads:
-    """What the weight follower loaded since the last step was cut."""
+    """The weights loaded since the last step was cut: by the step's own sync (one step in
+    flight) or by the weight follower (continuous batching)."""
 
-    steps: list[int]
+    steps: list[int] = field(default_factory=list)
+    wait_s: float = 0.0
     seconds: float = 0.0
     probe_logprobs: tuple[float, ...] = ()
 
+    def add(self, sync: PolicySync) -> None:
+        if sync.reloaded_step is not None:
+            self.steps.append(sync.reloaded_step)
+        self.wait_s += sync.wait_s
+        self.seconds += sync.reload_s
+        self.probe_logprobs = sync.probe_logprobs or self.probe_logprobs
+
     def take(self, version: int) -> PolicySync:
-        """This step's share, as the step barrier's sync reports it; then start over."""
-        sync = PolicySync(version, self.steps[-1] if self.steps else None, 0.0, self.seconds, self.probe_logprobs)
-        self.steps, self.seconds, self.probe_logprobs = [], 0.0, ()
+        """This step's share, as one sync reports it; then start over."""
+        sync = PolicySync(version, self.steps[-1] if self.steps else None, self.wait_s, self.seconds, self.probe_logprobs)
+        self.steps, self.wait_s, self.seconds, self.probe_logprobs = [], 0.0, 0.0, ()
         return sync
+
+
+@dataclass
+class Generation:
+    """Where every step's groups come from: the pool, and how new weights reach inference."""
+
+    pool: GroupPool
+    reloads: Reloads
+    follower: asyncio.Task | None = None
+    """Continuous batching: loads each new policy while groups are in flight. None = one
+    step in flight: the policy is synced between steps (``sync_policy``)."""
+
+
+def start_generation(cfg: OrchestratorConfig, envs, order: ExampleOrder, sampler: TokenSampler, client: InferenceClient,
+                     pending: list[tuple[int, int]]) -> Generation:
+    """The pool of groups in flight (``batching = "step"``: one step's groups at a time, all
+    of them at once, as the step barrier samples them), and with continuous batching the
+    weight follower beside it."""
+    one_step = cfg.batching == "step"
+    groups = cfg.batch_size // cfg.rollouts_per_example
+    pool = GroupPool(
+        envs, order, sampler, rollouts_per_example=cfg.rollouts_per_example, groups_per_step=groups,
+        async_level=cfg.async_level,
+        max_inflight=groups if one_step else cfg.max_inflight_groups or (cfg.async_level + 1) * groups,
+        version=lambda: client.version, pending=pending, log=log, max_steps=cfg.max_steps, one_step=one_step,
+    )
+    reloads = Reloads()
+    follower = None if one_step else asyncio.create_task(follow_weights(cfg, client, pool, reloads))
+    return Generation(pool, reloads, follower)
+
+
+async def stop_generation(generation: Generation | None) -> None:
+    """Cancel the weight follower and every group in flight, and wait until they stopped."""
+    if generation is None:
+        return
+    if generation.follower is not None:
+        generation.follower.cancel()
+        await asyncio.gather(generation.follower, return_exceptions=True)
+    await generation.pool.close()
 
 
 async def follow_weights(cfg: OrchestratorConfig, client: InferenceClient, pool: GroupPool, reloads: Reloads) -> None:
@@ -293,10 +293,8 @@ async def follow_weights(cfg: OrchestratorConfig, client: InferenceClient, pool:
             if latest is not None and latest > client.version:
                 start = time.perf_counter()
                 await client.reload_weights(weights_step_dir(cfg.output_dir, latest), latest, keep=True)
-                if cfg.client.verify_reload:
-                    reloads.probe_logprobs = tuple(await client.probe_replicas())
-                reloads.steps.append(latest)
-                reloads.seconds += time.perf_counter() - start
+                probes = tuple(await client.probe_replicas()) if cfg.client.verify_reload else ()
+                reloads.add(PolicySync(latest, latest, 0.0, time.perf_counter() - start, probes))
                 pool.notify()
             await asyncio.sleep(WEIGHTS_POLL_S)
     except Exception as e:  # noqa: BLE001 - handed to the loop, which raises it
@@ -334,65 +332,54 @@ def weights_missing(run_dir: Path, step: int, timeout_s: float) -> str:
 
 @dataclass
 class StepBatch:
-    """A step's rollouts before advantages, with what a resume needs to sample on."""
+    """A step's groups before advantages, with what a resume needs to sample on."""
 
-    picks: list[tuple[int, int]]
-    rollouts: list[tuple[str, Rollout]]
-    """Group by group."""
-
-    versions: list[tuple[int, int]]
-    """(oldest, newest) policy version of each rollout."""
+    groups: list[Group]
+    """In the order the step took them: each one example's rollouts, with their versions."""
 
     sync: PolicySync
     generate_s: float
+    """Seconds the step waited for its groups."""
+
+    rate_s: float
+    """Seconds the step's tokens took to generate, for `perf/tokens_per_s` (with continuous
+    batching the time since the previous step was cut)."""
+
     row: dict[str, float | int]
-    cursor: dict
-    """The data cursor after the step: ``order`` (``ExampleOrder.state_dict()``) and
-    ``pending`` (examples started but in no batch yet, which a resume samples first)."""
+    cursor: Cursor
+    """Where sampling stands after the step."""
 
     eval_row: dict | None = None
     """The evaluation that ran before the step (`eval.interval`)."""
 
-    rate_s: float | None = None
-    """Seconds the step's tokens took to generate, for `perf/tokens_per_s` (with continuous
-    batching the time since the previous step was cut; None = ``generate_s``)."""
 
-
-async def barrier_batch(step, version, envs, order, sampler, cfg, client, k, hb: Heartbeat) -> StepBatch:
-    """The step barrier: (a) the policy synced between steps, (c) the step's examples and
-    (d) all their rollouts concurrently."""
-    with hb.waiting(f"weights step >= {step - cfg.async_level} for step {step}"):
-        sync = await sync_policy(step, version, cfg, client)
-    eval_row = None
-    if eval_due(cfg, step):  # (b) with the policy just synced
-        with hb.waiting(f"the evaluation at step {step}"):
-            eval_row = await evaluate(envs, sampler, cfg, sync.version)
-    start = time.perf_counter()
-    with hb.waiting(f"step {step}'s {k * cfg.rollouts_per_example} rollouts"):
-        picks, rollouts, filter_row = await sample_step(envs, order, sampler, cfg, k)
-    versions = [(sync.version, sync.version)] * len(rollouts)
-    return StepBatch(picks, rollouts, versions, sync, time.perf_counter() - start, filter_row,
-                     {"order": order.state_dict(), "pending": []}, eval_row)
-
-
-async def continuous_batch(step, envs, sampler, cfg, client, pool: GroupPool, reloads: Reloads, hb: Heartbeat) -> StepBatch:
-    """Continuous batching: (b) evaluation beside the groups in flight, then the step's
-    batch cut from the groups that completed first (the weight follower loads each new
-    policy meanwhile)."""
+async def step_batch(step: int, envs, sampler: TokenSampler, cfg: OrchestratorConfig, client: InferenceClient,
+                     generation: Generation, hb: Heartbeat) -> StepBatch:
+    """(a) the policy: with one step in flight, synced here, between steps; otherwise the
+    weight follower loaded each new one meanwhile. (b) evaluation on its interval, with a
+    policy the step may train on. (c)-(d) the step's groups, cut from the pool."""
+    pool, bound = generation.pool, step - cfg.async_level
     stall = lambda needed: weights_stall(cfg, needed)  # noqa: E731
+    if generation.follower is None:
+        with hb.waiting(f"weights step >= {bound} for step {step}"):
+            generation.reloads.add(await sync_policy(step, client.version, cfg, client))
     eval_row = None
-    if eval_due(cfg, step):  # with a policy the step may train on, as with the barrier
-        with hb.waiting(f"weights step {step - cfg.async_level} for the evaluation at step {step}"):
-            await pool.wait_for_version(step - cfg.async_level, stall, cfg.weights_timeout_s)
+    if eval_due(cfg, step):
+        with hb.waiting(f"weights step {bound} for the evaluation at step {step}"):
+            await pool.wait_for_version(bound, stall, cfg.weights_timeout_s)
         with hb.waiting(f"the evaluation at step {step}"):
             eval_row = await evaluate(envs, sampler, cfg, client.version)
-    with hb.waiting(f"step {step}'s {pool.k} groups (policy {client.version}, weights step >= {step - cfg.async_level} needed)"):
-        cut: Cut = await pool.cut(step, stall, cfg.weights_timeout_s, cfg.filter)
-    rollouts = [item for group in cut.groups for item in group.rollouts]
-    versions = [(group.version, group.last_version) for group in cut.groups for _ in group.rollouts]
-    row = {**cut.filter_row, "batch/stale_groups_dropped": cut.stale, "batch/groups_in_flight": cut.in_flight}
-    return StepBatch([group.pick for group in cut.groups], rollouts, versions, reloads.take(client.version), cut.wait_s,
-                     row, {"order": pool.order.state_dict(), "pending": pool.pending()}, eval_row, cut.span_s)
+    with hb.waiting(f"step {step}'s {pool.k} groups (policy {client.version}, weights step >= {bound} needed)"):
+        cut = await pool.cut(step, stall, cfg.weights_timeout_s, cfg.filter)
+    return StepBatch(
+        groups=cut.groups,
+        sync=generation.reloads.take(client.version),
+        generate_s=cut.wait_s,
+        rate_s=cut.span_s,
+        row={**cut.filter_row, "batch/stale_groups_dropped": cut.stale, "batch/groups_in_flight": cut.in_flight},
+        cursor=Cursor(pool.order.state_dict(), pool.pending()),
+        eval_row=eval_row,
+    )
 
 
 def eval_due(cfg: OrchestratorConfig, step: int) -> bool:
@@ -401,12 +388,14 @@ def eval_due(cfg: OrchestratorConfig, step: int) -> bool:
 
 def scored_items(batch: StepBatch, cfg: OrchestratorConfig, step: int) -> list[ScoredRollout]:
     """(e) advantages within each example's group."""
+    rollouts = [(group, name, r) for group in batch.groups for name, r in group.rollouts]
     advantages = group_advantages(
-        [r.reward for _, r in batch.rollouts], cfg.rollouts_per_example, normalize_std=cfg.advantage.normalize_std
+        [r.reward for _, _, r in rollouts], cfg.rollouts_per_example, normalize_std=cfg.advantage.normalize_std
     )
+    newest = {group.seq: group.last_version for group in batch.groups}
     items = [
-        ScoredRollout(r, float(a), oldest, name, newest)
-        for (name, r), a, (oldest, newest) in zip(batch.rollouts, advantages, batch.versions, strict=True)
+        ScoredRollout(r, float(a), group.version, name, newest[group.seq])
+        for (group, name, r), a in zip(rollouts, advantages, strict=True)
     ]
     check_async_bound(items, step, cfg.async_level)
     return items
@@ -427,28 +416,22 @@ async def run(cfg: OrchestratorConfig, envs: list[tuple[str, Environment]], toke
     )
     teacher = Teacher(cfg.teacher) if cfg.teacher is not None else None
     hb = Heartbeat(cfg.output_dir, "orchestrator")
-    sender, pool, follower, delivered = None, None, None, False
+    sender, generation, delivered = None, None, False
     answers = asyncio.create_task(report_answers(client, hb))
     try:
         sender = BatchSender(cfg.transport, cfg.num_trainer_ranks)  # bind early so trainer ranks can connect
-        start, version, cursor = 0, 0, {"order": order.state_dict(), "pending": []}  # a fresh run: the initial model
+        start, version, cursor = 0, 0, Cursor(order.state_dict())  # a fresh run: the initial model
         if cfg.ckpt.resume_step is not None:
             start, version, cursor = resume(cfg, data, order, sender, metrics)
         startup_row = await prepare_servers(cfg, client, teacher, tokenizer, version, hb)
-        if cfg.batching == "continuous":
-            reloads = Reloads([])
-            pool, follower = start_generation(cfg, envs, order, sampler, client, cursor["pending"], reloads)
-            pool.fill(start)  # the first groups sample while the preflight runs (off the critical path)
+        generation = start_generation(cfg, envs, order, sampler, client, cursor.pending)
+        generation.pool.fill(start)  # continuous: the first groups sample while the preflight runs (off the critical path)
         if start == 0 and cfg.preflight.enabled:
             metrics.log(0, await preflight(dict(envs), sampler, cfg.preflight, cfg.seed, log), process="preflight")
         for step in range(start, cfg.max_steps):
             step_start = time.perf_counter()
-            # (a)-(d): the policy synced, evaluation on its interval, the step's rollouts
-            if pool is None:
-                batch = await barrier_batch(step, version, envs, order, sampler, cfg, client, examples_per_step, hb)
-            else:
-                batch = await continuous_batch(step, envs, sampler, cfg, client, pool, reloads, hb)
-            version = batch.sync.version
+            # (a)-(d): the policy synced, evaluation on its interval, the step's groups
+            batch = await step_batch(step, envs, sampler, cfg, client, generation, hb)
             if batch.eval_row is not None:
                 metrics.log(step, batch.eval_row, process="eval")
             # (e) advantages within each example's group, and the teacher's scores
@@ -459,7 +442,8 @@ async def run(cfg: OrchestratorConfig, envs: list[tuple[str, Environment]], toke
                                   client.retries, client.requests_per_replica(), batch.rate_s),
                    **batch.row, **teacher_row, **startup_row}
             startup_row = {}
-            ship_step(step, frames, sender, cfg, record=(cursor, batch, items, data, row) if record_progress else None)
+            record = step_record(step, frames, cursor, batch, data, row) if record_progress else None
+            ship_step(step, frames, sender, cfg, record)
             cursor = batch.cursor
             # (g) metrics; time/step covers the whole step, the record and the send included
             row["time/step"] = time.perf_counter() - step_start
@@ -467,8 +451,8 @@ async def run(cfg: OrchestratorConfig, envs: list[tuple[str, Environment]], toke
             hb.progress(f"sent the batch of step {step}")
         # The end: the groups still in flight are cancelled (nothing keeps sampling), then
         # the final policy is evaluated once the trainer has written it.
-        await stop_generation(pool, follower)
-        pool = follower = None
+        await stop_generation(generation)
+        generation = None
         if cfg.eval.interval:
             with hb.waiting(f"the final weights (step {cfg.max_steps}) for the last evaluation"):
                 sync = await sync_policy(cfg.max_steps, client.version, cfg, client, async_level=0)
@@ -477,7 +461,7 @@ async def run(cfg: OrchestratorConfig, envs: list[tuple[str, Environment]], toke
         delivered = True
     finally:
         answers.cancel()
-        await stop_generation(pool, follower)
+        await stop_generation(generation)
         # After the last step, linger so queued batches still reach the trainer; on an error, drop them.
         if sender is not None:
             sender.close(flush=delivered)
@@ -520,37 +504,29 @@ async def score_step(batch: StepBatch, cfg: OrchestratorConfig, step: int, teach
         return await teacher.score(items, cfg.seq_len, cfg.multi_turn == "per_turn")
 
 
-def ship_step(step: int, frames: list[bytes], sender: BatchSender, cfg: OrchestratorConfig, record: tuple | None) -> None:
-    """(f) the step's frames to the trainer ranks; with ``record`` (the cursor before the step,
-    the batch, its items, the data description, the metrics row), first into
+def ship_step(step: int, frames: list[bytes], sender: BatchSender, cfg: OrchestratorConfig, record: StepRecord | None) -> None:
+    """(f) the step's frames to the trainer ranks; with a ``record``, first into
     `rollouts/step_n/`, which a resume re-sends from."""
     if record is not None:
-        record_step(cfg, step, frames, *record)
+        save_record(cfg.output_dir, record)
+        prune_records(cfg.output_dir)
     for rank, frame in enumerate(frames):
         sender.send_frame(rank, step, frame)
 
 
-def start_generation(cfg, envs, order, sampler, client: InferenceClient, pending, reloads: Reloads) -> tuple[GroupPool, asyncio.Task]:
-    """Continuous batching: the pool of groups in flight, and the weight follower beside it."""
-    groups = cfg.batch_size // cfg.rollouts_per_example
-    pool = GroupPool(
-        envs, order, sampler, rollouts_per_example=cfg.rollouts_per_example, groups_per_step=groups,
-        async_level=cfg.async_level, max_inflight=cfg.max_inflight_groups or (cfg.async_level + 1) * groups,
-        version=lambda: client.version, pending=pending, log=log, max_steps=cfg.max_steps,
+def step_record(step: int, frames: list[bytes], before: Cursor, batch: StepBatch, data: dict, row: dict) -> StepRecord:
+    """The step's batch and cursors, as `rollouts/step_n/` keeps them for a resume."""
+    return StepRecord(
+        step=step,
+        frames=frames,
+        before=before,
+        after=batch.cursor,
+        picks=[group.pick for group in batch.groups],
+        min_version=min(group.version for group in batch.groups),
+        max_version=max(group.last_version for group in batch.groups),
+        data=data,
+        metrics=row,
     )
-    return pool, asyncio.create_task(follow_weights(cfg, client, pool, reloads))
-
-
-def record_step(cfg: OrchestratorConfig, step: int, frames: list[bytes], cursor: dict, batch: StepBatch,
-                items: list[ScoredRollout], data: dict, row: dict) -> None:
-    """The step's batch and cursors in `rollouts/step_n/` (for a resume), before it is sent."""
-    record = StepRecord(
-        step, frames, cursor["order"], batch.cursor["order"], batch.picks,
-        min(item.policy_version for item in items), max(v for _, v in batch.versions), data, row,
-        cursor["pending"], batch.cursor["pending"],
-    )
-    save_record(cfg.output_dir, record)
-    prune_records(cfg.output_dir)
 
 
 def pack_step(items: list[ScoredRollout], step: int, cfg: OrchestratorConfig):
@@ -563,15 +539,6 @@ def pack_step(items: list[ScoredRollout], step: int, cfg: OrchestratorConfig):
         seq_len=cfg.seq_len,
         per_turn=cfg.multi_turn == "per_turn",
     )
-
-
-async def stop_generation(pool: GroupPool | None, follower: asyncio.Task | None) -> None:
-    """Cancel the weight follower and every group in flight, and wait until they stopped."""
-    if follower is not None:
-        follower.cancel()
-        await asyncio.gather(follower, return_exceptions=True)
-    if pool is not None:
-        await pool.close()
 
 
 async def evaluate(envs: list[tuple[str, Environment]], sampler: TokenSampler, cfg: OrchestratorConfig, version: int) -> dict:
@@ -593,7 +560,7 @@ async def evaluate(envs: list[tuple[str, Environment]], sampler: TokenSampler, c
 
 def resume(
     cfg: OrchestratorConfig, data: dict, order: ExampleOrder, sender: BatchSender, metrics: Metrics
-) -> tuple[int, int, dict]:
+) -> tuple[int, int, Cursor]:
     """Continue after trainer checkpoint N: re-send the recorded batches sampled but not yet
     trained on (with their metrics rows; re-packed if the trainer now has another number of
     ranks) and restore the data cursor. Inference serves weights/step_N. Returns (first step
@@ -601,7 +568,7 @@ def resume(
     examples that were in flight, which are sampled first)."""
     step = cfg.ckpt.resume_step
     plan = plan_resume(cfg.output_dir, step, data)
-    order.load_state_dict(plan.cursor)
+    order.load_state_dict(plan.cursor.order)
     for record in plan.replay:
         frames = record.frames
         if len(frames) != cfg.num_trainer_ranks:
@@ -611,7 +578,7 @@ def resume(
             sender.send_frame(rank, record.step, frame)
         metrics.log(record.step, {**record.metrics, "resume/replayed": 1})
     log(f"resumed at checkpoint step {step}: re-sent {len(plan.replay)} recorded batches, sampling from step {plan.next_step}")
-    return plan.next_step, step, {"order": plan.cursor, "pending": plan.pending}
+    return plan.next_step, step, plan.cursor
 
 
 def log(msg: str) -> None:

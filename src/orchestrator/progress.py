@@ -2,7 +2,7 @@
 
     rollouts/step_n/
       rank_R.msgpack    the batch for trainer rank R, exactly the frame sent (prime_rl.wire)
-      progress.json     data cursor before and after step n, the examples picked, the
+      progress.json     data cursor before and after step n, the batch's examples, the
                         policy versions sampled with, the step's metrics row, the data order,
                         and (continuous batching) the examples started but in no batch yet
       STABLE            marker, written last
@@ -15,7 +15,7 @@ trajectory the checkpoint is part of) and samples on from the data cursor after 
 of them. Later records came from weights the restart discards; they are deleted, and
 their steps are sampled again from the same cursor, so the same prompts come in the same
 order. With continuous batching the cursor also lists the examples in flight when the
-step was cut (``pending_before`` / ``pending_after``): a resume samples those first, then
+step was cut (``Cursor.pending``): a resume samples those first, then
 draws on. Records older than the oldest complete trainer checkpoint (minus one, whose
 cursor a resume may need) are pruned. A resume on another number of trainer ranks
 re-packs each recorded batch for them (``repacked_frames``): the same samples, balanced
@@ -25,7 +25,7 @@ the way a fresh step is.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -51,37 +51,56 @@ class ResumeError(RuntimeError):
     """The recorded progress cannot continue this run (missing, or made with other data settings)."""
 
 
+@dataclass(frozen=True)
+class Cursor:
+    """Where sampling stands between two steps: what a resume continues from."""
+
+    order: Any
+    """Data order state (``ExampleOrder.state_dict()``, JSON)."""
+
+    pending: list[tuple[int, int]] = field(default_factory=list)
+    """(environment index, example index) of the examples started but in no batch yet, in
+    start order: a resume samples them first. Empty in records made before this existed."""
+
+
 @dataclass
 class StepRecord:
     step: int
     frames: list[bytes]
     """One encoded TrainBatch per trainer rank, in rank order."""
 
-    cursor_before: Any
-    cursor_after: Any
-    """Data order state (``ExampleOrder.state_dict()``, JSON) before and after the step."""
+    before: Cursor
+    after: Cursor
+    """The cursor before and after the step."""
 
     picks: list[tuple[int, int]]
-    """(environment index, example index) of every example of the step, in order."""
+    """(environment index, example index) of every group in the step's batch, in order."""
 
     min_version: int
     max_version: int
+    """Oldest and newest policy version among the batch's tokens."""
+
     data: dict = field(default_factory=dict)
     """What the cursor means: seed, dataset sizes, examples per step. A resume must match it."""
 
     metrics: dict = field(default_factory=dict)
 
-    pending_before: list = field(default_factory=list)
-    pending_after: list = field(default_factory=list)
-    """(environment index, example index) of the examples started but in no batch yet,
-    before and after the step (continuous batching): a resume samples them first. Empty
-    with the step barrier and in records made before this existed."""
-
     def meta(self) -> dict:
-        meta = asdict(self)
-        del meta["frames"]
-        meta["num_ranks"] = len(self.frames)
-        return meta
+        """progress.json: everything but the frames, the cursors flat (the layout records
+        have had since before ``Cursor``, so a resume reads older runs' records)."""
+        return {
+            "step": self.step,
+            "cursor_before": self.before.order,
+            "cursor_after": self.after.order,
+            "picks": self.picks,
+            "min_version": self.min_version,
+            "max_version": self.max_version,
+            "data": self.data,
+            "metrics": self.metrics,
+            "pending_before": self.before.pending,
+            "pending_after": self.after.pending,
+            "num_ranks": len(self.frames),
+        }
 
 
 def save_record(run_dir: Path, record: StepRecord) -> Path:
@@ -103,10 +122,10 @@ def load_record(run_dir: Path, step: int) -> StepRecord | None:
     try:
         meta = json.loads((folder / PROGRESS_FILE).read_text())
         frames = [(folder / f"rank_{r}.msgpack").read_bytes() for r in range(meta.pop("num_ranks"))]
+        cursors = {when: Cursor(meta.pop(f"cursor_{when}"), [tuple(p) for p in meta.pop(f"pending_{when}", [])])
+                   for when in ("before", "after")}
         meta["picks"] = [tuple(p) for p in meta["picks"]]
-        for key in ("pending_before", "pending_after"):
-            meta[key] = [tuple(p) for p in meta.get(key, [])]
-        return StepRecord(frames=frames, **meta)
+        return StepRecord(frames=frames, **cursors, **meta)
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ResumeError(f"unreadable orchestrator progress {folder}: {e}") from e
 
@@ -119,11 +138,8 @@ class ResumePlan:
     next_step: int
     """First step to sample anew."""
 
-    cursor: Any
-    """Data order state before ``next_step``."""
-
-    pending: list = field(default_factory=list)
-    """Examples that were in flight before ``next_step``: sampled first."""
+    cursor: Cursor
+    """Where sampling stands before ``next_step`` (the examples in flight then are sampled first)."""
 
 
 def plan_resume(run_dir: Path, resume_step: int, data: dict) -> ResumePlan:
@@ -138,12 +154,12 @@ def plan_resume(run_dir: Path, resume_step: int, data: dict) -> ResumePlan:
         replay.append(record)
         step += 1
     if record is not None:  # recorded, but sampled by weights the restart discards
-        cursor, pending = record.cursor_before, record.pending_before
+        cursor = record.before
     elif replay:
-        cursor, pending = replay[-1].cursor_after, replay[-1].pending_after
+        cursor = replay[-1].after
     elif (previous := load_record(run_dir, resume_step - 1)) is not None:
         check_compatible(previous, data, run_dir)
-        cursor, pending = previous.cursor_after, previous.pending_after
+        cursor = previous.after
     else:
         raise ResumeError(
             f"no orchestrator progress for step {resume_step} in {rollouts_dir(run_dir)} "
@@ -152,7 +168,7 @@ def plan_resume(run_dir: Path, resume_step: int, data: dict) -> ResumePlan:
     for stale in step_dirs(rollouts_dir(run_dir)):
         if stale >= step:
             remove_step_dir(rollouts_dir(run_dir), stale)
-    return ResumePlan(replay=replay, next_step=step, cursor=cursor, pending=list(pending))
+    return ResumePlan(replay=replay, next_step=step, cursor=cursor)
 
 
 def check_compatible(record: StepRecord, data: dict, run_dir: Path) -> None:

@@ -165,7 +165,7 @@ class OrchestratorConfig(StrictModel):
     """Batch for step n is sampled with policy version >= n - async_level (versions count optimizer steps; 0 = on-policy)."""
 
     batching: Literal["continuous", "step"] = "continuous"
-    """`continuous`: groups of rollouts stay in flight across step boundaries, each step's batch is cut from the groups that completed first, and new weights are loaded while requests are in flight (vLLM's `/pause?mode=keep`); `step`: every step samples its own groups, all at once, and weights are reloaded between steps."""
+    """`continuous`: groups of rollouts stay in flight across step boundaries, each step's batch is cut from the groups that completed first, and new weights are loaded while requests are in flight (vLLM's `/pause?mode=keep`); `step`: the same pool with one step in flight: every step samples its own groups, all at once, and weights are reloaded between steps."""
 
     initial_weights: Path | None = None
     """Weights to load into inference before sampling (a server that is already up, started for another run: `prime-rl inference`): the run's model, or `weights/step_N` on a resume. None = inference starts with the run's own weights."""
