@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Literal, Self, TypeVar, Union, get_args, get_origin
 
 import annotated_types
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic.fields import FieldInfo
 from pydantic_core import core_schema
 
@@ -72,6 +72,23 @@ class EnvArgs(BaseModel):
             return error["msg"].removeprefix("Value error, ")
         return f"{name} must be {expected(cls.model_fields[name])}, got {error['input']!r}"
 
+
+
+class TrainCountArgs(EnvArgs):
+    """Arguments of a built-in that takes `num_examples` as verifiers' other name for
+    `num_train_examples` (subclasses declare both fields, each with its default)."""
+
+    @model_validator(mode="after")
+    def _one_train_count(self) -> Self:
+        given, default = self.num_train_examples, type(self).model_fields["num_train_examples"].default
+        if self.num_examples is not None and given not in (default, self.num_examples):
+            raise ValueError(f"num_examples is another name for num_train_examples; give one, "
+                             f"got {self.num_examples} and {given}")
+        return self
+
+    @property
+    def train_count(self) -> int:
+        return self.num_train_examples if self.num_examples is None else self.num_examples
 
 def expected(field: FieldInfo) -> str:
     """What a field takes, in words: ``an integer >= 1 or -1 (all)``, ``'boxed' or 'hash'``."""

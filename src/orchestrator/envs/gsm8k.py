@@ -32,12 +32,12 @@ from __future__ import annotations
 
 import random
 import re
-from typing import Any, ClassVar, Literal, Self
+from typing import Any, ClassVar, Literal
 
 from prime_rl.envs import Example, Messages, Parser, Rubric, SingleTurnEnv, load_rows
-from pydantic import Field, model_validator
+from pydantic import Field
 
-from orchestrator.envs.common import CountOrAll, EnvArgs, EvalCountOrAll, Source, held_out_split
+from orchestrator.envs.common import CountOrAll, EvalCountOrAll, Source, TrainCountArgs, held_out_split
 from orchestrator.envs.math_answers import after_hashes, answers_match, final_answer, last_boxed, load_math_verify
 
 ENV = "gsm8k"
@@ -252,7 +252,7 @@ def make_rubric(parser: Parser, answer_format: str) -> Rubric:
     return rubric
 
 
-class Gsm8kArgs(EnvArgs):
+class Gsm8kArgs(TrainCountArgs):
     """gsm8k's arguments: verifiers' gsm8k (``num_train_examples``, ``num_eval_examples``,
     ``system_prompt``) and prime-rl's own."""
 
@@ -275,17 +275,6 @@ class Gsm8kArgs(EnvArgs):
     """A file of `question` + `answer` rows (GSM8K's format) instead of the hub."""
     num_examples: CountOrAll | None = None
     """Another name for `num_train_examples`."""
-
-    @model_validator(mode="after")
-    def _one_train_count(self) -> Self:
-        if self.num_examples is not None and self.num_train_examples not in (-1, self.num_examples):
-            raise ValueError(f"num_examples is another name for num_train_examples; give one, "
-                             f"got {self.num_examples} and {self.num_train_examples}")
-        return self
-
-    @property
-    def train_count(self) -> int:
-        return self.num_train_examples if self.num_examples is None else self.num_examples
 
 
 def load_splits(a: Gsm8kArgs) -> tuple[list[dict], list[dict]]:

@@ -77,7 +77,7 @@ from prime_rl.envs import data as env_data
 from prime_rl.extras import import_extra
 from pydantic import Field, model_validator
 
-from orchestrator.envs.common import CountOrAll, EnvArgs, EvalCountOrAll, held_out_split
+from orchestrator.envs.common import CountOrAll, EvalCountOrAll, TrainCountArgs, held_out_split
 
 if TYPE_CHECKING:
     import bm25s
@@ -633,7 +633,7 @@ def _tool_error(e: Exception) -> str:
     return f"Error: {e}" if isinstance(e, WikiError) else f"Error: {type(e).__name__}: {e}"
 
 
-class WikiSearchArgs(EnvArgs):
+class WikiSearchArgs(TrainCountArgs):
     """wiki-search's arguments: verifiers' wiki_search, plus the data, the index and the judge."""
 
     env: ClassVar[str] = ENV
@@ -670,9 +670,6 @@ class WikiSearchArgs(EnvArgs):
 
     @model_validator(mode="after")
     def _consistent(self) -> Self:
-        if self.num_examples is not None and self.num_train_examples not in (-1, self.num_examples):
-            raise ValueError(f"num_examples is another name for num_train_examples; give one, "
-                             f"got {self.num_examples} and {self.num_train_examples}")
         if (self.corpus_path is None) != (self.questions_path is None):
             raise ValueError("corpus_path and questions_path go together (questions about that corpus); give both or neither")
         if self.corpus_path is not None and self.source not in ("auto", "local"):
@@ -681,10 +678,6 @@ class WikiSearchArgs(EnvArgs):
         if self.corpus_path is None and self.source == "local":
             raise ValueError("source='local' needs corpus_path and questions_path (JSONL files)")
         return self
-
-    @property
-    def train_count(self) -> int:
-        return self.num_train_examples if self.num_examples is None else self.num_examples
 
 
 def load_environment(**args: Any) -> WikiSearchEnv:

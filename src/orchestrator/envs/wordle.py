@@ -39,13 +39,13 @@ import random
 import re
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, ClassVar, Self
+from typing import Any, ClassVar
 
 from prime_rl.envs import Example, Messages, MultiTurnEnv, Rubric, State, XMLParser, load_rows
 from prime_rl.extras import import_extra
-from pydantic import Field, model_validator
+from pydantic import Field
 
-from orchestrator.envs.common import EnvArgs, Source
+from orchestrator.envs.common import Source, TrainCountArgs
 
 ENV = "wordle"
 WORD_LENGTH = 5
@@ -213,7 +213,7 @@ def secret_words(words: tuple[str, ...], num_train: int, num_eval: int, seed: in
 # --------------------------------------------------------------------------- environment
 
 
-class WordleArgs(EnvArgs):
+class WordleArgs(TrainCountArgs):
     """wordle's arguments: verifiers' wordle (``num_train_examples``, ``num_eval_examples``,
     ``system_prompt``, ``seed``) and prime-rl's own."""
 
@@ -236,17 +236,6 @@ class WordleArgs(EnvArgs):
     """`auto`/`generated`: the word list; `hub` fails (there is no hub dataset)."""
     num_examples: int | None = Field(None, ge=1)
     """Another name for `num_train_examples`."""
-
-    @model_validator(mode="after")
-    def _one_train_count(self) -> Self:
-        if self.num_examples is not None and self.num_train_examples not in (2000, self.num_examples):
-            raise ValueError(f"num_examples is another name for num_train_examples; give one, "
-                             f"got {self.num_examples} and {self.num_train_examples}")
-        return self
-
-    @property
-    def train_count(self) -> int:
-        return self.num_train_examples if self.num_examples is None else self.num_examples
 
 
 def load_environment(**args: Any) -> WordleEnv:
