@@ -9,6 +9,7 @@ import pytest
 from prime_rl.config import ClientConfig
 
 import orchestrator.client as client_module
+from orchestrator.client import admin
 from orchestrator.client import InferenceClient, InferenceError, parse_completion_choices
 from fake_inference import IM_END, LOGPROB, FakeInferenceServer, encode_chat
 
@@ -317,7 +318,7 @@ def test_a_reload_that_times_out_is_not_sent_again(tmp_path):
 
 
 def test_prefix_cache_reset_that_keeps_failing_is_an_error(tmp_path, monkeypatch):
-    monkeypatch.setattr("orchestrator.client._RESET_RETRY_S", 0.0)
+    monkeypatch.setattr("orchestrator.client.admin.RESET_RETRY_S", 0.0)
 
     class NoReset(FakeInferenceServer):
         def handle(self, method, path, body):
@@ -329,7 +330,7 @@ def test_prefix_cache_reset_that_keeps_failing_is_an_error(tmp_path, monkeypatch
     with NoReset() as server:
         with pytest.raises(InferenceError, match="reset_prefix_cache kept answering success=false"):
             run_with_client(server, lambda c: c.reload_weights(tmp_path))
-    assert server.admin_calls() == ["/collective_rpc"] + ["/reset_prefix_cache"] * client_module._RESET_RETRIES
+    assert server.admin_calls() == ["/collective_rpc"] + ["/reset_prefix_cache"] * admin.RESET_TRIES
 
 
 def test_wait_healthy():
@@ -422,7 +423,7 @@ def test_refused_connection_is_retried_until_the_server_is_up(monkeypatch):
             servers.append(FakeInferenceServer(port=port).start())
         await real_sleep(0)
 
-    monkeypatch.setattr("orchestrator.client.asyncio.sleep", back_off)
+    monkeypatch.setattr("orchestrator.client.pool.asyncio.sleep", back_off)
 
     async def go():
         client = InferenceClient(
