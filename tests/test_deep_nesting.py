@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from orchestrator.client import chat_choice
+from orchestrator.client.parse import chat_choice
 from prime_rl.cli import load_eval_config
 from prime_rl.envs import ModelReply, Rubric, ToolCall, ToolEnv, Turn
 from prime_rl.config import RLConfig

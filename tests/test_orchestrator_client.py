@@ -8,9 +8,8 @@ import time
 import pytest
 from prime_rl.config import ClientConfig
 
-import orchestrator.client as client_module
-from orchestrator.client import admin
-from orchestrator.client import InferenceClient, InferenceError, parse_completion_choices
+from orchestrator.client import InferenceClient, InferenceError, admin
+from orchestrator.client.parse import PROBE_PROMPT_IDS, PROBE_TOLERANCE, cache_salt, parse_completion_choices
 from fake_inference import IM_END, LOGPROB, FakeInferenceServer, encode_chat
 
 from helpers import free_port
@@ -274,7 +273,7 @@ def test_an_in_flight_reload_keeps_the_request_and_labels_it_with_both_versions(
     assert server.admin_calls() == ["/pause?mode=keep", "/collective_rpc", "/resume"]
     assert (first.versions, second.versions) == ((0, 1), (1, 1))
     generation = [(path, body) for _, path, body in server.calls if path == "/v1/completions"]
-    assert [body["cache_salt"] for _, body in generation] == [client_module.cache_salt(0), client_module.cache_salt(1)]
+    assert [body["cache_salt"] for _, body in generation] == [cache_salt(0), cache_salt(1)]
     paths = [path for _, path, _ in server.calls]
     assert paths.index("/resume") < len(paths) - 1 - paths[::-1].index("/v1/completions")  # the second came after
 
@@ -604,12 +603,12 @@ def test_wait_healthy_waits_for_every_replica_and_names_the_one_that_is_down():
 def test_the_probe_scores_one_fixed_prompt_on_every_replica():
     with FakeInferenceServer() as a, FakeInferenceServer() as b:
         values = run_with_replicas([a, b], lambda c: c.probe_replicas())
-    expected = LOGPROB * (len(client_module.PROBE_PROMPT_IDS) - 1)  # the first token has no logprob
+    expected = LOGPROB * (len(PROBE_PROMPT_IDS) - 1)  # the first token has no logprob
     assert values == [pytest.approx(expected)] * 2
     for server in (a, b):
         ((_, path, body),) = server.calls
         assert path == "/v1/completions"
-        assert (body["prompt"], body["prompt_logprobs"], body["max_tokens"]) == (list(client_module.PROBE_PROMPT_IDS), 0, 1)
+        assert (body["prompt"], body["prompt_logprobs"], body["max_tokens"]) == (list(PROBE_PROMPT_IDS), 0, 1)
 
 
 def test_the_probe_fails_naming_a_replica_on_other_weights():
@@ -622,4 +621,4 @@ def test_the_probe_fails_naming_a_replica_on_other_weights():
 def test_the_probe_tolerates_differences_below_its_tolerance():
     with FakeInferenceServer() as a, FakeInferenceServer(prompt_logprob=LOGPROB - 1e-5) as b:
         values = run_with_replicas([a, b], lambda c: c.probe_replicas())
-    assert abs(values[0] - values[1]) < client_module.PROBE_TOLERANCE
+    assert abs(values[0] - values[1]) < PROBE_TOLERANCE

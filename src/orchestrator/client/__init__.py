@@ -11,32 +11,15 @@ endpoint's chat API. By concern:
 The clients know nothing about environments, steps or the run directory.
 """
 
-from orchestrator.client.parse import (
-    FULL_DISTRIBUTION,
-    PROBE_PROMPT_IDS,
-    PROBE_TOLERANCE,
-    Completion,
-    InferenceError,
-    cache_salt,
-    chat_choice,
-    parse_completion_choices,
-    parse_prompt_logprobs,
-    parse_prompt_top_k,
-)
+from orchestrator.client.parse import FULL_DISTRIBUTION, Completion, InferenceError, cache_salt
 from orchestrator.client.sampling import ChatClient, InferenceClient, TeacherClient
 
 __all__ = [
     "FULL_DISTRIBUTION",
-    "PROBE_PROMPT_IDS",
-    "PROBE_TOLERANCE",
     "ChatClient",
     "Completion",
     "InferenceClient",
     "InferenceError",
     "TeacherClient",
     "cache_salt",
-    "chat_choice",
-    "parse_completion_choices",
-    "parse_prompt_logprobs",
-    "parse_prompt_top_k",
 ]

@@ -28,7 +28,14 @@ from typing import Any, NoReturn, TypeVar
 
 import httpx
 from prime_rl.config import ClientConfig
-from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, retry_if_exception_type, stop_after_attempt, wait_fixed
+from tenacity import (
+    AsyncRetrying,
+    RetryCallState,
+    retry_if_exception,
+    retry_if_exception_type,
+    stop_after_attempt,
+    wait_fixed,
+)
 
 from orchestrator.client.parse import InferenceError
 from orchestrator.client.trust import DISTRUSTED_STATUS, KeyTrust
@@ -168,7 +175,9 @@ class ReplicaPool:
         def still_unhealthy(state: RetryCallState) -> NoReturn:
             last = state.outcome.exception()
             why = str(last) if isinstance(last, _NotHealthy) else f"{type(last).__name__}: {last}"
-            raise TimeoutError(f"inference server at {replica.url}/health not healthy after {timeout_s:.0f} s (last: {why})")
+            raise TimeoutError(
+                f"inference server at {replica.url}/health not healthy after {timeout_s:.0f} s (last: {why})"
+            )
 
         polling = AsyncRetrying(
             stop=lambda _: time.monotonic() >= deadline,
@@ -212,7 +221,8 @@ class ReplicaPool:
             tries = self._tries(resend_unanswered)
             raise InferenceError(f"POST {replica.url}{path} failed: {type(e).__name__}: {e} ({tries})") from None
         if check and response.status_code != 200:
-            raise InferenceError(f"POST {replica.url}{path} answered status {response.status_code}: {response.text[:500]}")
+            status, text = response.status_code, response.text[:500]
+            raise InferenceError(f"POST {replica.url}{path} answered status {status}: {text}")
         return response
 
     def json(self, replica: Replica, response: httpx.Response, path: str) -> Any:
@@ -268,7 +278,9 @@ class ReplicaPool:
         await asyncio.sleep(self.config.retry_backoff_s * 2 ** (state.attempt_number - 1))
 
     def _tries(self, resend_unanswered: bool) -> str:
-        return f"{self.config.max_retries + 1} tries" if resend_unanswered else "not sent again: it may still be running"
+        if not resend_unanswered:
+            return "not sent again: it may still be running"
+        return f"{self.config.max_retries + 1} tries"
 
 
 def _worth_another_try(error: BaseException, resend_unanswered: bool) -> bool:

@@ -64,7 +64,9 @@ class _PoolClient:
 class InferenceClient(_PoolClient):
     """The policy's vLLM replicas: token-id sampling, tool-call parsing, and the admin calls."""
 
-    def __init__(self, config: ClientConfig, model_name: str, lora_adapter: str | None = None, *, own_server: bool = True):
+    def __init__(
+        self, config: ClientConfig, model_name: str, lora_adapter: str | None = None, *, own_server: bool = True
+    ):
         super().__init__(config, own_server=own_server)
         self.served = Served(model_name)
         weights = FullWeights() if lora_adapter is None else LoraAdapter(lora_adapter)
@@ -102,7 +104,9 @@ class InferenceClient(_PoolClient):
         """``VllmAdmin.probe_replicas``."""
         return await self.admin.probe_replicas()
 
-    async def complete_n(self, prompt_ids: list[int], *, n: int, max_tokens: int, temperature: float) -> list[Completion]:
+    async def complete_n(
+        self, prompt_ids: list[int], *, n: int, max_tokens: int, temperature: float
+    ) -> list[Completion]:
         """``n`` samples continuing the token-id prompt ``prompt_ids`` (one request)."""
         body = {
             "model": self.served.model,
