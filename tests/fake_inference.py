@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import socket
 import sys
 import threading
 import time
@@ -126,8 +127,11 @@ class FakeInferenceServer:
         return self
 
     def stop(self) -> None:
+        """Stop as a server process that exits does: its kept-alive connections close too (a
+        client's next request then connects anew, and is refused)."""
         self._httpd.shutdown()
         self._httpd.server_close()
+        self._httpd.close_connections()
 
     def __enter__(self) -> FakeInferenceServer:
         return self.start()
@@ -287,6 +291,31 @@ def _scores_prompt(body: Any) -> bool:
 
 
 class _QuietHTTPServer(ThreadingHTTPServer):
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self._open: set[socket.socket] = set()
+        self._open_lock = threading.Lock()
+
+    def process_request(self, request, client_address) -> None:
+        with self._open_lock:
+            self._open.add(request)
+        super().process_request(request, client_address)
+
+    def shutdown_request(self, request) -> None:
+        with self._open_lock:
+            self._open.discard(request)
+        super().shutdown_request(request)
+
+    def close_connections(self) -> None:
+        """End every connection still open (a handler waiting on a kept-alive one sees EOF)."""
+        with self._open_lock:
+            connections = list(self._open)
+        for connection in connections:
+            try:
+                connection.shutdown(socket.SHUT_RDWR)
+            except OSError:  # already closed by its handler
+                pass
+
     def handle_error(self, request, client_address) -> None:
         # A client that hung up before its answer (a test that interrupts a run) is not the
         # fake's error: no traceback for that.

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from orchestrator.client import _chat_choice
+from orchestrator.client.parse import chat_choice
 from prime_rl.cli import load_eval_config
 from prime_rl.envs import ModelReply, Rubric, ToolCall, ToolEnv, Turn
 from prime_rl.config import RLConfig
@@ -86,7 +86,7 @@ def test_a_tool_result_too_deep_to_encode_is_named_not_raised():
 def test_server_tool_call_arguments_too_deep_to_encode_become_an_error_for_the_model():
     # a server that returns the arguments as an object (not JSON text) nested too deeply
     choice = {"message": {"content": "", "tool_calls": [{"id": "c0", "function": {"name": "add", "arguments": nested_dict(5000)}}]}}
-    _, _, calls = _chat_choice(choice)
+    _, _, calls = chat_choice(choice)
     assert calls[0].name == "add" and isinstance(calls[0].arguments, str)
     _, results = play(("", calls), ("5", []))
     assert results[0].startswith("Error: the arguments of add are not a JSON object")

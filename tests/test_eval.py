@@ -16,7 +16,7 @@ import pytest
 from helpers import REPO, free_port, new_tag, tagged_processes
 from rich.console import Console
 
-from orchestrator.client import InferenceClient
+from orchestrator.client import ChatClient
 from orchestrator.eval import EnvResult, result_table
 from orchestrator.envs.reverse_text import lcs_ratio
 from fake_inference import FakeInferenceServer
@@ -212,7 +212,7 @@ MESSAGES = [{"role": "system", "content": "Reverse the text character by charact
 @pytest.mark.parametrize("suffix", ["/v1", ""])
 def test_chat_sampler_sends_text_chats_and_returns_text_replies(suffix):
     async def go(url):
-        client = InferenceClient(ClientConfig(base_url=url + suffix, timeout_s=5), "api-model")
+        client = ChatClient(ClientConfig(base_url=url + suffix, timeout_s=5), "api-model")
         try:
             return await ChatSampler(client, EvalSamplingConfig(max_tokens=16)).reply(MESSAGES, [], n=2)
         finally:
@@ -455,7 +455,7 @@ def test_chat_sampler_offers_tools_and_reads_the_endpoints_tool_calls():
     tools = [{"type": "function", "function": {"name": "search_pages", "parameters": {"type": "object", "properties": {}}}}]
 
     async def go():
-        client = InferenceClient(ClientConfig(base_url=f"http://127.0.0.1:{server.server_port}/v1", timeout_s=5), "api-model")
+        client = ChatClient(ClientConfig(base_url=f"http://127.0.0.1:{server.server_port}/v1", timeout_s=5), "api-model")
         try:
             return await ChatSampler(client, EvalSamplingConfig()).reply(MESSAGES, [], n=1, tools=tools)
         finally:

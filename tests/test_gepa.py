@@ -11,7 +11,7 @@ from pathlib import Path
 import gepa
 import pytest
 
-from orchestrator.client import InferenceClient
+from orchestrator.client import ChatClient
 from orchestrator.envs import load_env
 from fake_inference import FakeInferenceServer
 from orchestrator.gepa_adapter import COMPONENT, EnvironmentAdapter, NoSystemPrompt, seed_prompt
@@ -33,7 +33,7 @@ def teacher(prompt: str) -> str:
 def adapter_and_server():
     env = load_env(EnvConfig(id="reverse-text", args={"num_examples": 20, "num_eval_examples": 10}))
     with FakeInferenceServer(responder=reverse_if_told) as server:
-        client = InferenceClient(ClientConfig(base_url=server.url, max_retries=0), "fake-model")
+        client = ChatClient(ClientConfig(base_url=server.url, max_retries=0), "fake-model")
         adapter = EnvironmentAdapter(env, ChatSampler(client, EvalSamplingConfig()), state_columns=("turn",))
         try:
             yield env, adapter

@@ -117,9 +117,9 @@ def test_a_reload_mid_completion_trains_each_token_on_the_logprob_it_was_sampled
             completion = asyncio.ensure_future(
                 streamed_completion(http, str(tiny_model), LONG, cache_salt(0), started, 40, ids=received))
             await started.wait()
-            client.replicas[0].in_flight += 1  # the stream above is this client's request in flight
+            client.pool.replicas[0].in_flight += 1  # the stream above is this client's request in flight
             await client.reload_weights(other_weights, 1, keep=True)
-            client.replicas[0].in_flight -= 1
+            client.pool.replicas[0].in_flight -= 1
             at_reload = len(received)
             (probe_new,) = await client.probe_replicas()
             ids, logprobs, before = await completion
@@ -191,9 +191,9 @@ def test_the_prefix_cache_never_serves_kv_across_policy_versions(server, tiny_mo
             same_version = prefix_cache_hits(server) - first
             holder = asyncio.ensure_future(streamed_completion(http, str(tiny_model), 1000, cache_salt(0), started, 20, prompt))
             await started.wait()  # in flight: it holds version 0's blocks of the prompt
-            client.replicas[0].in_flight += 1
+            client.pool.replicas[0].in_flight += 1
             await client.reload_weights(other_weights, 1, keep=True)
-            client.replicas[0].in_flight -= 1
+            client.pool.replicas[0].in_flight -= 1
             before = prefix_cache_hits(server)
             await client.complete_n(prompt, n=1, max_tokens=2, temperature=1.0)
             new_version = prefix_cache_hits(server) - before

@@ -8,8 +8,8 @@ import time
 import pytest
 from prime_rl.config import ClientConfig
 
-import orchestrator.client as client_module
-from orchestrator.client import InferenceClient, InferenceError, parse_completion_choices
+from orchestrator.client import InferenceClient, InferenceError, admin
+from orchestrator.client.parse import PROBE_PROMPT_IDS, PROBE_TOLERANCE, cache_salt, parse_completion_choices
 from fake_inference import IM_END, LOGPROB, FakeInferenceServer, encode_chat
 
 from helpers import free_port
@@ -132,6 +132,19 @@ def test_a_wrong_identity_proof_gets_no_key():
     assert server.auth_headers == [None, None] and server.calls == []
 
 
+async def refused(client, within_s=5.0):
+    """Poll with requests until one is refused: the server that stopped closed its kept-alive
+    connection, and a request that still met it (before the close reached the client) fails
+    another way; the next one connects anew."""
+    deadline = time.monotonic() + within_s
+    while True:
+        with pytest.raises(InferenceError) as failed:
+            await complete(client, max_tokens=4)
+        if "ConnectError" in str(failed.value):
+            return
+        assert time.monotonic() < deadline, f"no request refused within {within_s} s (last: {failed.value})"
+
+
 def test_a_replica_that_went_away_proves_itself_again():
     """A refused connection: the port may change hands, so the next request re-asks the proof
     (of whatever listens there now) before the key goes out again."""
@@ -142,9 +155,7 @@ def test_a_replica_that_went_away_proves_itself_again():
         try:
             with FakeInferenceServer(port=port, api_key="secret") as first:
                 await complete(client, max_tokens=4)
-            await asyncio.sleep(2.1)  # past the pool's keep-alive expiry: the next request connects anew
-            with pytest.raises(InferenceError, match="ConnectError"):
-                await complete(client, max_tokens=4)
+            await refused(client)
             with FakeInferenceServer(port=port, api_key="secret") as second:
                 await complete(client, max_tokens=4)
         finally:
@@ -262,7 +273,7 @@ def test_an_in_flight_reload_keeps_the_request_and_labels_it_with_both_versions(
     assert server.admin_calls() == ["/pause?mode=keep", "/collective_rpc", "/resume"]
     assert (first.versions, second.versions) == ((0, 1), (1, 1))
     generation = [(path, body) for _, path, body in server.calls if path == "/v1/completions"]
-    assert [body["cache_salt"] for _, body in generation] == [client_module.cache_salt(0), client_module.cache_salt(1)]
+    assert [body["cache_salt"] for _, body in generation] == [cache_salt(0), cache_salt(1)]
     paths = [path for _, path, _ in server.calls]
     assert paths.index("/resume") < len(paths) - 1 - paths[::-1].index("/v1/completions")  # the second came after
 
@@ -317,7 +328,7 @@ def test_a_reload_that_times_out_is_not_sent_again(tmp_path):
 
 
 def test_prefix_cache_reset_that_keeps_failing_is_an_error(tmp_path, monkeypatch):
-    monkeypatch.setattr("orchestrator.client._RESET_RETRY_S", 0.0)
+    monkeypatch.setattr("orchestrator.client.admin.RESET_RETRY_S", 0.0)
 
     class NoReset(FakeInferenceServer):
         def handle(self, method, path, body):
@@ -329,7 +340,7 @@ def test_prefix_cache_reset_that_keeps_failing_is_an_error(tmp_path, monkeypatch
     with NoReset() as server:
         with pytest.raises(InferenceError, match="reset_prefix_cache kept answering success=false"):
             run_with_client(server, lambda c: c.reload_weights(tmp_path))
-    assert server.admin_calls() == ["/collective_rpc"] + ["/reset_prefix_cache"] * client_module._RESET_RETRIES
+    assert server.admin_calls() == ["/collective_rpc"] + ["/reset_prefix_cache"] * admin.RESET_TRIES
 
 
 def test_wait_healthy():
@@ -422,7 +433,7 @@ def test_refused_connection_is_retried_until_the_server_is_up(monkeypatch):
             servers.append(FakeInferenceServer(port=port).start())
         await real_sleep(0)
 
-    monkeypatch.setattr("orchestrator.client.asyncio.sleep", back_off)
+    monkeypatch.setattr("orchestrator.client.pool.asyncio.sleep", back_off)
 
     async def go():
         client = InferenceClient(
@@ -592,12 +603,12 @@ def test_wait_healthy_waits_for_every_replica_and_names_the_one_that_is_down():
 def test_the_probe_scores_one_fixed_prompt_on_every_replica():
     with FakeInferenceServer() as a, FakeInferenceServer() as b:
         values = run_with_replicas([a, b], lambda c: c.probe_replicas())
-    expected = LOGPROB * (len(client_module.PROBE_PROMPT_IDS) - 1)  # the first token has no logprob
+    expected = LOGPROB * (len(PROBE_PROMPT_IDS) - 1)  # the first token has no logprob
     assert values == [pytest.approx(expected)] * 2
     for server in (a, b):
         ((_, path, body),) = server.calls
         assert path == "/v1/completions"
-        assert (body["prompt"], body["prompt_logprobs"], body["max_tokens"]) == (list(client_module.PROBE_PROMPT_IDS), 0, 1)
+        assert (body["prompt"], body["prompt_logprobs"], body["max_tokens"]) == (list(PROBE_PROMPT_IDS), 0, 1)
 
 
 def test_the_probe_fails_naming_a_replica_on_other_weights():
@@ -610,4 +621,4 @@ def test_the_probe_fails_naming_a_replica_on_other_weights():
 def test_the_probe_tolerates_differences_below_its_tolerance():
     with FakeInferenceServer() as a, FakeInferenceServer(prompt_logprob=LOGPROB - 1e-5) as b:
         values = run_with_replicas([a, b], lambda c: c.probe_replicas())
-    assert abs(values[0] - values[1]) < client_module.PROBE_TOLERANCE
+    assert abs(values[0] - values[1]) < PROBE_TOLERANCE

@@ -16,7 +16,8 @@ from prime_rl.launch.resolve import placed, resolve
 from pydantic import ValidationError
 
 from orchestrator.batch import ScoredRollout, pack_batches
-from orchestrator.client import InferenceError, parse_prompt_logprobs, parse_prompt_top_k
+from orchestrator.client import InferenceError
+from orchestrator.client.parse import parse_prompt_logprobs, parse_prompt_top_k
 from orchestrator.sampler import with_system_prompt
 from orchestrator.teacher import Teacher, teacher_sequence
 from prime_rl.config import TeacherClientConfig

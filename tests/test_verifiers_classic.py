@@ -301,7 +301,7 @@ def test_eval_of_a_classic_env_writes_results_with_rewards(vf03_python, tmp_path
 def test_gepa_candidates_replace_a_classic_envs_system_prompt(vf03_python):
     """GEPA's adapter over the worker environment: the seed is verifiers' own system prompt,
     and a candidate prompt reaches the model in place of it (scored by verifiers' rubric)."""
-    from orchestrator.client import InferenceClient
+    from orchestrator.client import ChatClient
     from orchestrator.envs import load_env
     from orchestrator.gepa_adapter import COMPONENT, EnvironmentAdapter, seed_prompt
     from orchestrator.sampler import ChatSampler
@@ -312,7 +312,7 @@ def test_gepa_candidates_replace_a_classic_envs_system_prompt(vf03_python):
     try:
         assert seed_prompt(env, "vf-single") == "Reverse the text character by character."
         with FakeInferenceServer(responder=reverse_if_told) as server:
-            client = InferenceClient(ClientConfig(base_url=server.url, max_retries=0), "fake-model")
+            client = ChatClient(ClientConfig(base_url=server.url, max_retries=0), "fake-model")
             adapter = EnvironmentAdapter(env, ChatSampler(client, EvalSamplingConfig()))
             try:
                 examples = env.dataset[:3]

@@ -5,6 +5,7 @@ and `orchestrator.gepa`. An entry point imports this module, never another entry
 - ``make_client`` / ``make_sampler``: the client of a resolved model (``EvalTarget``: an
   endpoint of the endpoints file, or a local vLLM server the command started) and the
   environments' ``ModelClient`` over it (exact tokens locally, text from an endpoint);
+  ``make_chat_client``: a model asked in text only, wherever it runs (GEPA's reflection);
 - ``progress_bar``: rollouts done of the total, one bar per task;
 - ``run_entry``: how an entry point ends, as an exit code (``prime_rl.settings.run_entry``
   with the failures every orchestrator process expects: a peer missing or misbehaving, a
@@ -27,7 +28,7 @@ from prime_rl.settings import run_entry as run_settings_entry
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from orchestrator.client import InferenceClient, InferenceError
+from orchestrator.client import ChatClient, InferenceClient, InferenceError
 from orchestrator.envworker import EnvironmentWorkerError
 from orchestrator.sampler import ChatSampler, TokenSampler
 
@@ -72,16 +73,24 @@ def with_api_key(client_cfg: ClientConfig, target: EvalTarget) -> ClientConfig:
     return client_cfg.model_copy(update={"api_key": key})
 
 
-def make_client(client_cfg: ClientConfig, target: EvalTarget) -> InferenceClient:
-    """A local server (one this run started) gets the key only once it proved it holds it;
-    an endpoint's key is meant for whoever answers at the endpoint's URL."""
-    return InferenceClient(with_api_key(client_cfg, target), target.model, own_server=target.type == "local")
+def make_client(client_cfg: ClientConfig, target: EvalTarget) -> InferenceClient | ChatClient:
+    """A local vLLM server's (one this run started: exact tokens, and the key only once it
+    proved it holds it), or an endpoint's chat API (its key is meant for whoever answers at
+    the endpoint's URL)."""
+    if target.type == "local":
+        return InferenceClient(with_api_key(client_cfg, target), target.model)
+    return make_chat_client(client_cfg, target)
 
 
-def make_sampler(cfg: EvalRunConfig | GepaRunConfig, client: InferenceClient, tokenizer) -> ModelClient:
+def make_chat_client(client_cfg: ClientConfig, target: EvalTarget) -> ChatClient:
+    """Text only, from a local server or an endpoint (the key as in ``make_client``)."""
+    return ChatClient(with_api_key(client_cfg, target), target.model, own_server=target.type == "local")
+
+
+def make_sampler(cfg: EvalRunConfig | GepaRunConfig, client: InferenceClient | ChatClient, tokenizer) -> ModelClient:
     """Exact tokens through the local vLLM server, as RL samples them, or text through an
     endpoint's chat completions API (nothing sampled from it can be trained on)."""
-    if cfg.target.type == "endpoint":
+    if isinstance(client, ChatClient):
         return ChatSampler(client, cfg.sampling)
     seq_len = cfg.inference.seq_len
     # model_construct: evaluation allows temperature 0 (greedy), which RL's SamplingConfig

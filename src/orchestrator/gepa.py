@@ -42,8 +42,10 @@ from prime_rl.settings import ConfigError, help_text, one_line, process_config
 from rich.console import Console
 from rich.progress import Progress
 
-from orchestrator.client import InferenceClient, InferenceError
-from orchestrator.entry import EXPECTED_ERRORS, load_tokenizer, make_client, make_sampler, progress_bar, run_entry, with_api_key
+from orchestrator.client import ChatClient, InferenceError
+from orchestrator.entry import (
+    EXPECTED_ERRORS, load_tokenizer, make_chat_client, make_client, make_sampler, progress_bar, run_entry, with_api_key,
+)
 from orchestrator.envs import load_env
 from orchestrator.gepa_adapter import COMPONENT, EnvironmentAdapter, NoSystemPrompt, seed_prompt
 
@@ -92,7 +94,7 @@ class Teacher:
     proved it holds it). GEPA calls it synchronously, between the adapter's rollouts, so it
     runs on the adapter's event loop."""
 
-    def __init__(self, client: InferenceClient, loop: asyncio.AbstractEventLoop):
+    def __init__(self, client: ChatClient, loop: asyncio.AbstractEventLoop):
         self.client = client
         self.loop = loop
         self.failures = 0
@@ -276,7 +278,7 @@ def optimize(cfg: GepaRunConfig, task: Task) -> int:
     bar = BudgetBar(progress_bar(Console(stderr=True)), cfg.gepa.max_calls)
     search_log = SearchLog(cfg.output_dir / "runs" / cfg.run_id / "logs" / "search.log")
     log(f"the search's own log: {search_log.path}")
-    teacher_client = make_client(cfg.reflection_client, cfg.reflection_target)
+    teacher_client = make_chat_client(cfg.reflection_client, cfg.reflection_target)
     teacher = Teacher(teacher_client, adapter.loop)
     try:
         if cfg.target.type == "local":

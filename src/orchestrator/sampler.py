@@ -27,7 +27,7 @@ from prime_rl.chat import PROBE_CHAT, TemplateError, assistant_span, check_exten
 from prime_rl.config import EvalSamplingConfig, SamplingConfig
 from prime_rl.envs import Messages, ModelReply, PromptTooLong, ToolCall, Turn
 
-from orchestrator.client import Completion, InferenceClient
+from orchestrator.client import ChatClient, Completion, InferenceClient
 
 
 class TokenSampler:
@@ -176,7 +176,7 @@ class ChatSampler:
     is not needed: the messages hold the whole conversation.
     """
 
-    def __init__(self, client: InferenceClient, sampling: EvalSamplingConfig):
+    def __init__(self, client: ChatClient, sampling: EvalSamplingConfig):
         self.client = client
         self.sampling = sampling
 

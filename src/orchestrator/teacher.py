@@ -30,7 +30,7 @@ from prime_rl.config import TeacherClientConfig
 from prime_rl.envs import Rollout, Turn
 
 from orchestrator.batch import ScoredRollout, rollout_tokens, sample_turns
-from orchestrator.client import InferenceClient, InferenceError
+from orchestrator.client import InferenceError, TeacherClient
 
 PROMPTS_PER_REQUEST = 64
 """Samples scored per request (vLLM's completions API takes a list of token-id prompts). On
@@ -50,7 +50,7 @@ class Teacher:
         key = os.environ.get(cfg.api_key_env) if cfg.api_key_env else None
         client = cfg.client if key is None else cfg.client.model_copy(update={"api_key": key})
         # an endpoint's key goes with every request; a local teacher proves it holds the run's key first
-        self.client = InferenceClient(client, cfg.model, own_server=cfg.api_key_env is None)
+        self.client = TeacherClient(client, cfg.model, own_server=cfg.api_key_env is None)
         self.url = self.client.base_url
         self.top_k = cfg.top_k
 
