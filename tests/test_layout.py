@@ -163,6 +163,7 @@ RESOLVE = "prime_rl/launch/resolve.py"
 NOT_OUR_CONFIGS = {
     ("trainer/weights.py", "dtype"): "a transformers PretrainedConfig of the weights written, not a prime-rl config",
     ("trainer/lora.py", "base_model_name_or_path"): "peft's LoraConfig of the adapter written, not a prime-rl config",
+    ("orchestrator/client/admin.py", "model"): "Served, the client's record of the model a server serves now, not a config",
 }
 """(file, attribute) -> why a write of that name there is not a write of a prime-rl config."""
 

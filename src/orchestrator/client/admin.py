@@ -24,7 +24,8 @@ from orchestrator.client.parse import (
     probe_logprob_sum,
     reset_succeeded,
 )
-from orchestrator.client.pool import Replica, ReplicaPool
+from orchestrator.client.pool import ReplicaPool
+from orchestrator.client.replica import Replica
 
 # /reset_prefix_cache answers 200 with {"success": false} while KV blocks are still held;
 # vLLM's docs say to retry. After /pause?mode=wait nothing runs, so a few tries suffice.

@@ -23,7 +23,6 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
 from typing import Any, NoReturn, TypeVar
 
 import httpx
@@ -38,33 +37,13 @@ from tenacity import (
 )
 
 from orchestrator.client.parse import InferenceError
+from orchestrator.client.replica import Replica
 from orchestrator.client.trust import DISTRUSTED_STATUS, KeyTrust
 
 TRANSIENT_STATUS = frozenset({500, 502, 503, 504})
 """Server-side errors worth another try: overloaded, restarting, or behind a failing proxy."""
 
 _T = TypeVar("_T")
-
-
-@dataclass(eq=False)
-class Replica:
-    """One server of the pool, with its own connections and request counts."""
-
-    index: int
-    url: str
-    http: httpx.AsyncClient
-    in_flight: int = 0
-    """Generation requests in flight here: routing picks the replica with the fewest, and a
-    reload drains this replica first only when it has some."""
-
-    requests: int = 0
-    """Generation requests sent here so far (the metrics' `inference/requests/<index>`)."""
-
-    trusted: bool = False
-    """It proved it holds the key (identity challenge): its requests carry the key."""
-
-    identity_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    """One identity challenge at a time, whatever the number of requests waiting on it."""
 
 
 class _TransientAnswer(Exception):

@@ -26,7 +26,7 @@ from prime_rl.keys import IDENTITY_PATH, new_nonce, proves_identity
 from orchestrator.client.parse import InferenceError
 
 if TYPE_CHECKING:
-    from orchestrator.client.pool import Replica
+    from orchestrator.client.replica import Replica
 
 DISTRUSTED_STATUS = frozenset({401, 403}) | frozenset(range(500, 600))
 """Answers after which a replica must prove itself again before it gets the key: a 5xx may
