@@ -28,9 +28,14 @@ echo "NodeName=$3 Arch=x86_64 CoresPerSocket=1 NodeAddr=10.0.0.${3#a} NodeHostNa
 FAKE_SRUN = """#!/bin/bash
 # records each call's arguments and the node addresses it was given, then exits 0; the
 # inference side (a1,a2) outlives the trainer side, as in a real job (else the script rightly
-# reports that inference ended first, which made this flaky under load)
+# reports that inference ended first, which made this flaky under load); the trainer side ends
+# only once the inference side has logged its call, which the script's end would else kill
+# before it ran under load
 echo "$* | $PRIME_RL_SLURM_HOSTS | $PRIME_RL_SLURM_ADDRS" >> "$SRUN_LOG"
-case "$*" in *--nodelist=a1,a2*) sleep 1 ;; esac
+case "$*" in
+  *--nodelist=a1,a2*) sleep 1 ;;
+  *--nodelist=a3,a4*) for _ in $(seq 200); do grep -q -- "--nodelist=a1,a2" "$SRUN_LOG" && break; sleep 0.05; done ;;
+esac
 """
 
 
