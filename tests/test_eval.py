@@ -366,26 +366,13 @@ def test_bad_environment_args_exit_2(tmp_path):
     assert "no_such_arg" in proc.stderr
 
 
-def test_eval_of_a_local_model_with_real_vllm(tmp_path, tiny_model):
-    tag = new_tag()
-    out = tmp_path / "evals"
-    proc = eval_cli(["reverse-text", "-m", str(tiny_model), "-n", "3", "-r", "2", "-s", "-t", "16", "--output-dir", str(out)],
-                    env={"PRIME_RL_TEST_TAG": tag}, timeout=600)
-    logs = "".join(f"\n--- {p} ---\n{p.read_text()[-3000:]}" for p in out.rglob("*.log"))
-    assert proc.returncode == 0, proc.stdout + proc.stderr + logs
-    (folder,) = (out / f"reverse-text--{str(tiny_model).strip('/').replace('/', '--')}").iterdir()
-    rows = [json.loads(line) for line in (folder / "results.jsonl").read_text().splitlines()]
-    assert len(rows) == 6 and all(0.0 <= r["reward"] <= 1.0 for r in rows)
-    summary = json.loads((folder / "summary.json").read_text())
-    assert (summary["type"], summary["rollouts"]) == ("local", 6)
-    assert tagged_processes(tag) == [], "no child process may survive the eval"
-
-
-def test_eval_runs_both_tool_environments_with_vllm_parsing_the_calls(tmp_path, tool_model):
-    """wiki-search and math-python in one `prime-rl eval` of a local model: vLLM serves it
-    with the hermes parser, the tool-warmed model's calls are parsed and run (search results,
-    sandboxed Python), and every rollout is saved with its tool metrics."""
-    config = tmp_path / "tools.toml"
+@pytest.fixture(scope="module")
+def local_eval(tmp_path_factory, tool_model):
+    """One `prime-rl eval` of a local model (one vLLM start) for the two tests below:
+    reverse-text, wiki-search and math-python, the tool-warmed tiny model served with the
+    hermes parser. Returns the results folder's rows per environment and their summaries."""
+    tmp_path = tmp_path_factory.mktemp("local-eval")
+    config = tmp_path / "eval.toml"
     config.write_text(f"""model = "{tool_model}"
 num_examples = 2
 rollouts_per_example = 2
@@ -395,6 +382,10 @@ seq_len = 1024
 [sampling]
 max_tokens = 96
 temperature = 0.5
+
+[[eval]]
+id = "reverse-text"
+num_examples = 3
 
 [[eval]]
 id = "wiki-search"
@@ -411,14 +402,43 @@ tool_call_parser = "hermes"
     proc = eval_cli([str(config), "--output-dir", str(out)], env={"PRIME_RL_TEST_TAG": tag}, timeout=600)
     logs = "".join(f"\n--- {p} ---\n{p.read_text()[-3000:]}" for p in out.rglob("*.log"))
     assert proc.returncode == 0, proc.stdout + proc.stderr + logs
-    rows = {}
-    for env in ("wiki-search", "math-python"):
+    rows, summaries = {}, {}
+    for env in ("reverse-text", "wiki-search", "math-python"):
         (folder,) = (out / f"{env}--{str(tool_model).strip('/').replace('/', '--')}").iterdir()
         rows[env] = [json.loads(line) for line in (folder / "results.jsonl").read_text().splitlines()]
+        summaries[env] = json.loads((folder / "summary.json").read_text())
+    return rows, summaries, tagged_processes(tag)
+
+
+def test_eval_of_a_local_model_with_real_vllm(local_eval):
+    """reverse-text in the local eval (``local_eval``): each saved reward is the environment's
+    scoring of the saved completion (LCS ratio of the last reply and the reversed prompt), and
+    the summary is that of results.jsonl."""
+    rows, summaries, left = local_eval
+    rows, summary = rows["reverse-text"], summaries["reverse-text"]
+    assert len(rows) == 6 and all(0.0 <= r["reward"] <= 1.0 for r in rows)
+    assert sorted((r["example_id"], r["rollout"]) for r in rows) == [(e, k) for e in sorted({r["example_id"] for r in rows}) for k in (0, 1)]
+    for row in rows:
+        assert row["answer"] == row["prompt"][-1]["content"][::-1], row  # the answer is the prompt reversed
+        replies = [m.get("content") or "" for m in row["completion"] if m["role"] == "assistant"]
+        assert len(replies) == 1 and row["turns"] == 1, row
+        assert row["reward"] == pytest.approx(lcs_ratio(replies[0].strip(), row["answer"])), row
+    assert (summary["type"], summary["rollouts"], summary["examples"]) == ("local", 6, 3)
+    assert summary["reward/mean"] == pytest.approx(sum(r["reward"] for r in rows) / 6)
+    assert summary["truncated_frac"] == pytest.approx(sum(r["finish_reason"] == "length" for r in rows) / 6)
+    assert left == [], "no child process may survive the eval"
+
+
+def test_eval_runs_both_tool_environments_with_vllm_parsing_the_calls(local_eval):
+    """wiki-search and math-python in one `prime-rl eval` of a local model (``local_eval``):
+    vLLM serves it with the hermes parser, the tool-warmed model's calls are parsed and run
+    (search results, sandboxed Python), and every rollout is saved with its tool metrics."""
+    rows, _, left = local_eval
+    for env in ("wiki-search", "math-python"):
         assert len(rows[env]) == 4 and all(0.0 <= r["reward"] <= 1.0 for r in rows[env])
         assert all("total_tool_calls" in r["metrics"] for r in rows[env])
     assert sum(r["metrics"]["total_tool_calls"] for r in rows["wiki-search"]) > 0
-    assert tagged_processes(tag) == [], "no child process may survive the eval"
+    assert left == [], "no child process may survive the eval"
 
 
 def test_eval_of_a_tool_environment_needs_a_tool_call_parser(tmp_path, tiny_model):

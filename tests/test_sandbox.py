@@ -393,29 +393,43 @@ def test_open_files_are_bounded(bounded, scratch):
 
 FORK_TO_THE_LIMIT = """
 import os, time
+
+def hold():  # every process stays until the test has read the cgroup (it writes 'seen' in the scratch)
+    deadline = time.monotonic() + 5
+    while not os.path.exists('seen') and time.monotonic() < deadline:
+        time.sleep(0.01)
+
 count = 1
 try:
     while count < 200:
         if os.fork() == 0:
-            time.sleep(3)
+            hold()
             os._exit(0)
         count += 1
 except OSError:
     pass
 print('processes', count, flush=True)
-time.sleep(1.5)
+hold()
 """
 
 
 @pytest.mark.timeout(30)
 def test_processes_are_bounded_by_the_call_cgroup(bounded, scratch):
+    names = ("pids.max", "pids.current", "memory.max", "memory.limit_in_bytes")  # v2 or v1 names
+
     async def main():
         call = asyncio.create_task(bounded.run_python(FORK_TO_THE_LIMIT, scratch))
         while not (cgroups := call_cgroups()) and not call.done():
             await asyncio.sleep(0.01)
-        await asyncio.sleep(0.8)  # the program has forked all it could by now
-        names = ("pids.max", "pids.current", "memory.max", "memory.limit_in_bytes")  # v2 or v1 names
-        seen = {name: (c / name).read_text().strip() for c in cgroups for name in names if (c / name).exists()}
+        # Read the cgroup until the program has forked all it could (or 5 s passed: the
+        # assertions below then show what it held); it holds every process until told.
+        deadline, seen = time.monotonic() + 5, {}
+        while seen.get("pids.current") != seen.get("pids.max") or not seen:
+            seen = {name: (c / name).read_text().strip() for c in cgroups for name in names if (c / name).exists()}
+            if call.done() or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.01)
+        (scratch / "seen").touch()
         return await call, seen
 
     result, seen = asyncio.run(main())

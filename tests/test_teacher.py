@@ -1,7 +1,7 @@
 """The distillation teacher without a server: config and placement, the sequences the teacher
 scores (context distillation swaps the first prompt), the scoring of a step's samples, and
 the parsing of vLLM's prompt logprobs. The real server: tests/test_inflight_vllm.py; the
-trio with a teacher process: tests/test_distill_trio.py."""
+trio with a teacher process: tests/test_trio.py (its kill-and-resume run carries a teacher)."""
 
 import asyncio
 

@@ -58,7 +58,7 @@ def test_v1_multi_turn_taskset_trains_in_the_trio(tmp_path, tiny_model):
     config = tmp_path / "rl.toml"
     env = f'id = "v1-again"\npython = "{python}"'
     config.write_text(trio_toml(tiny_model, run_dir, max_steps=MAX_STEPS, env=env, seq_len=256, max_tokens=8,
-                                batch_size=8, rollouts_per_example=4) + "\n[preflight]\nenabled = false\n")
+                                batch_size=8, rollouts_per_example=4, preflight="enabled = false"))
     proc, tag = start_launcher(config)
     finish(proc, run_dir, timeout=1500)
     assert tagged_processes(tag) == [], "the worker (and everything else) is gone after the run"
