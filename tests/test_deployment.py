@@ -104,6 +104,22 @@ def test_vllm_env_keeps_the_users_logging_setting_and_shows_no_secret():
     assert "PRIME_RL_INFERENCE_API_KEY=<redacted>" in words and words[words.index("-m") + 1] == "vllm.entrypoints.openai.api_server"
 
 
+def test_the_model_runs_in_the_engine_process_on_cpu_only_when_asked():
+    """`cpu_worker_in_engine` turns vLLM's multiprocessing off on CPU (its CPU platform then
+    keeps the one-process executor); vLLM's own worker process is the default, and GPU
+    servers never get the switch. The local teacher inherits it. Thread binding needs
+    vLLM's worker process, so asking for both is refused naming the field."""
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in vllm_env(config().inference, cpu=True)
+    cfg = config(inference={"cpu_worker_in_engine": True},
+                 teacher={"model": "/teacher"}, trainer={"loss": {"distill": {"kl_weight": 1.0}}})
+    assert vllm_env(cfg.inference, cpu=True)["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in vllm_env(cfg.inference, cpu=False)
+    teacher = teacher_server(cfg, plan_single_node(cfg, 0).teacher)
+    assert vllm_env(teacher, cpu=True)["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    with pytest.raises(ValueError, match="cpu_threads_bind: vLLM binds threads only in a worker process of its own"):
+        config(inference={"cpu_worker_in_engine": True, "cpu_threads_bind": "0"})
+
+
 def test_too_few_gpus_is_one_line():
     cfg = config(deployment={"inference_gpus": 4, "trainer_gpus": 4})
     with pytest.raises(PlacementError, match=r"^deployment: needs 8 GPUs \(inference_gpus 4 \+ trainer_gpus 4\), this machine shows 2$"):

@@ -86,6 +86,10 @@ def vllm_env(cfg: InferenceConfig, cpu: bool, inherited: Mapping[str, str] | Non
         env["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.kv_cache_gb)
         if cfg.cpu_threads_bind is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = cfg.cpu_threads_bind
+        if cfg.cpu_worker_in_engine:
+            # vLLM's CPU platform keeps its one-process executor only when multiprocessing is
+            # off; the engine itself still runs in a process of its own behind the API server
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     return env
 
 
