@@ -41,7 +41,7 @@ def server(tiny_model, tmp_path_factory):
     port, tag = free_port(), new_tag()
     config = root / "inference.json"
     config.write_text(json.dumps({"model": str(tiny_model), "port": port, "seq_len": SEQ_LEN, "max_num_seqs": 8,
-                                      "cpu_worker_in_engine": True}))
+                                  "cpu_worker_in_engine": True}))
     log = (root / "inference.log").open("w")
     proc = subprocess.Popen([sys.executable, "-m", "inference.server", "--config", str(config)], stdout=log,
                             stderr=subprocess.STDOUT, env={**os.environ, "PRIME_RL_TEST_TAG": tag}, start_new_session=True)

@@ -87,8 +87,9 @@ def assert_trained_and_handed_off(run_dir) -> None:
 
 # --------------------------------------------------------------------------- tmux, multi-turn
 
-MULTI_TURN_ENV = """id = "primeintellect/alphabet-sort"
-args = { min_turns = 2, max_turns = 2, max_names_per_turn = 2, num_examples = 64, num_eval_examples = 4 }"""
+MULTI_TURN_ARGS = {"min_turns": 2, "max_turns": 2, "max_names_per_turn": 2, "num_examples": 64, "num_eval_examples": 4}
+MULTI_TURN_ENV = f"""id = "primeintellect/alphabet-sort"
+args = {{ {", ".join(f"{k} = {v}" for k, v in MULTI_TURN_ARGS.items())} }}"""
 MULTI_TURN_MAX_TOKENS = 12
 PANES = ["inference", "orchestrator", "trainer", "status"]
 
@@ -178,8 +179,7 @@ def test_multi_turn_trio_trains_exactly_the_sampled_tokens(tmux_run, sampling_de
 
     run_dir, max_tokens = tmux_run.run_dir, MULTI_TURN_MAX_TOKENS
     tok = AutoTokenizer.from_pretrained(sampling_defaults_model)
-    env = load_env(EnvConfig(id="alphabet-sort", args={"min_turns": 2, "max_turns": 2, "max_names_per_turn": 2,
-                                                       "num_examples": 64, "num_eval_examples": 4}))
+    env = load_env(EnvConfig(id="alphabet-sort", args=MULTI_TURN_ARGS))
     generation = [257, *b"assistant\n"]
     checked = 0
     for step in range(MAX_STEPS):
