@@ -1,11 +1,11 @@
 """The real trio (vLLM server, orchestrator, trainer) on the tiny model, headless and in tmux:
-multi-turn, a kill and a resume with a distillation teacher, tools, another family, LoRA.
+multi-turn, a kill and a resume with a distillation teacher, tools, another family (LoRA: in
+test_verifiers_trio.py, on a classic verifiers environment).
 Where one run can carry several capabilities' checks, a module fixture runs it once and a test
 per capability asserts on what it left (``tmux_run``, ``distilled_run``)."""
 
 import json
 import os
-import re
 import subprocess
 import sys
 import time
@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 
 from helpers import REPO, finish, free_port, kill_mid_run, mask_spans, new_tag, resume, start_launcher, tagged_processes, trio_toml
-from prime_rl.launch.launcher import tail
 from orchestrator.data import ExampleOrder
 from orchestrator.envs import load_env
 from orchestrator.progress import load_record
@@ -493,74 +492,6 @@ def test_other_model_families_train_hand_off_and_match_vllm(tmp_path, arch):
 
 
 # --------------------------------------------------------------------------- LoRA
-
-LORA = "\n[trainer.lora]\nrank = 8\nalpha = 16\n\n[ckpt]\ninterval = 2\n"
-
-
-def served_logprob_gaps(run_dir, base_model, step: int) -> tuple[float, float]:
-    """The batch sampled for ``step`` (its progress record): the largest gap between the
-    logprobs vLLM returned and those of peft on base + ``weights/step_<version>``, and the
-    mean gap to the base model alone."""
-    import torch
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    from prime_rl.wire import MicroBatch
-    from trainer.data import collate
-
-    batch = decode_batch(load_record(run_dir, step).frames[0])
-    samples = [s for micro in batch.micro_batches for s in micro.samples]
-    (version,) = {s.policy_version for s in samples}
-    base = AutoModelForCausalLM.from_pretrained(base_model, dtype=torch.float32).eval()
-    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_model, dtype=torch.float32),
-                                        weights_step_dir(run_dir, version)).eval()
-    to_adapter, to_base = [], []
-    for sample in samples:
-        mt = collate(MicroBatch(samples=[sample]), 256, 0, torch.device("cpu"))
-        mask, served = mt.loss_mask[0, 1:], mt.inference_logprobs[0, 1:]
-        for model, gaps in ((adapted, to_adapter), (base, to_base)):
-            with torch.no_grad():
-                logits = model(input_ids=mt.input_ids).logits[0, :-1] / batch.temperature
-            lp = torch.log_softmax(logits, -1).gather(-1, mt.input_ids[0, 1:, None])[:, 0]
-            gaps.append((lp - served)[mask].abs())
-    return float(torch.cat(to_adapter).max()), float(torch.cat(to_base).mean())
-
-
-def test_lora_trio_serves_each_new_adapter_and_resumes(tmp_path, tiny_model):
-    """`[trainer.lora]` end to end, on-policy (async_level 0): the trainer writes PEFT
-    adapters, vLLM (base model, LoRA enabled) loads each one at run time without a restart
-    and requests name it, so what was sampled is what peft computes with that adapter. A
-    resume starts vLLM on the base model and loads the checkpoint's adapter before sampling."""
-    run_dir, config = tmp_path / "lora", tmp_path / "lora.toml"
-    config.write_text(trio_toml(tiny_model, run_dir, max_steps=MAX_STEPS, async_level=0, lr=2e-2, extra=LORA))
-    proc, tag = start_launcher(config)
-    finish(proc, run_dir)
-    assert tagged_processes(tag) == []
-
-    assert sorted(p.name for p in weights_step_dir(run_dir, MAX_STEPS).iterdir()) == [
-        MARKER, "adapter_config.json", "adapter_model.safetensors"]
-    rows = read_jsonl(metrics_path(run_dir))
-    orchestrator = [r for r in rows if r["process"] == "orchestrator"]
-    assert [r["policy/version"] for r in orchestrator] == list(range(MAX_STEPS))
-    assert [r.get("weights/reloaded_step") for r in orchestrator] == [None, 1, 2, 3]
-    trainer = [r for r in rows if r["process"] == "trainer"]
-    assert all(r["loss/mismatch_kl"] < 1e-3 for r in trainer), [r["loss/mismatch_kl"] for r in trainer]
-    to_adapter, to_base = served_logprob_gaps(run_dir, tiny_model, MAX_STEPS - 1)
-    print(f"step {MAX_STEPS - 1}: served vs peft with its adapter, max gap {to_adapter:.2e}; vs the base model, mean gap {to_base:.3f}")
-    assert to_adapter < 1e-3 and to_base > 1e-2
-
-    proc, tag = start_launcher(config, "--resume-step", "2", "--max-steps", str(MAX_STEPS + 1))
-    finish(proc, run_dir)
-    assert tagged_processes(tag) == []
-    restarted = tail(log_path(run_dir, "inference"), 10_000).rsplit("[inference] exec:", 1)[1]
-    assert f"--model {tiny_model} " in restarted  # the base model, not weights/step_2
-    loads = re.findall(r"Loaded new LoRA adapter: name '([^']+)', path '([^']+)'", restarted)
-    assert loads[0] == ("policy-lora", str(weights_step_dir(run_dir, 2))), loads
-    rows = read_jsonl(metrics_path(run_dir))
-    assert [r["step"] for r in rows if r["process"] == "trainer"] == list(range(MAX_STEPS + 1))
-    to_adapter, to_base = served_logprob_gaps(run_dir, tiny_model, MAX_STEPS)
-    assert to_adapter < 1e-3 and to_base > 1e-2, (to_adapter, to_base)
-
 
 @pytest.mark.slow
 def test_lora_rl_raises_the_quickstart_reward(tmp_path):
