@@ -22,6 +22,13 @@ from prime_rl.rundir import (
 REPO = Path(__file__).resolve().parents[1]
 
 
+def sigint_as_from_a_terminal() -> None:
+    """``preexec_fn`` for a child a test Ctrl-Cs: SIGINT's default action restored, as a
+    terminal's process has it, even when the suite itself runs with SIGINT ignored (a
+    background job or nohup, whose children inherit the ignore and would never see it)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

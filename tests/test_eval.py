@@ -26,7 +26,7 @@ from prime_rl.config import ClientConfig, EvalEnvConfig, EvalRunConfig, EvalSamp
 from prime_rl.envs import Example, Rollout
 from prime_rl.endpoints import load_endpoints
 from prime_rl.settings import ConfigError, load_config
-from helpers import endpoints_file, eval_cli
+from helpers import endpoints_file, eval_cli, sigint_as_from_a_terminal
 
 
 # --------------------------------------------------------------------------- config and CLI errors
@@ -336,7 +336,7 @@ def test_ctrl_c_stops_the_eval_and_leaves_nothing_behind(tmp_path):
         cmd = [sys.executable, "-m", "prime_rl.cli", "eval", "reverse-text", "-m", "fake",
                "--endpoints-path", str(endpoints_file(tmp_path, server.url)), "--output-dir", str(tmp_path / "evals")]
         proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "PRIME_RL_TEST_TAG": tag},
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=sigint_as_from_a_terminal)
         deadline = time.monotonic() + 30
         while not server.calls and time.monotonic() < deadline:  # the eval is waiting on its requests
             time.sleep(0.1)

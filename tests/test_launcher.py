@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import new_tag, tagged_processes
+from helpers import new_tag, sigint_as_from_a_terminal, tagged_processes
 from prime_rl.launch import launcher
 from prime_rl.launch.launcher import ProcessSpec, TmuxView, tmux_session_name
 from prime_rl.rundir import log_path
@@ -91,7 +91,8 @@ def test_ctrl_c_stops_everything(tmp_path):
         ProcessSpec("trainer", [sys.executable, "-c", "import time; time.sleep(600)"]),
     ]"""
     env = {**os.environ, "PRIME_RL_TEST_TAG": tag}
-    launcher = subprocess.Popen([sys.executable, "-c", driver(tmp_path, specs)], env=env, stderr=subprocess.PIPE, text=True)
+    launcher = subprocess.Popen([sys.executable, "-c", driver(tmp_path, specs)], env=env, stderr=subprocess.PIPE, text=True,
+                                preexec_fn=sigint_as_from_a_terminal)
     assert wait_until(lambda: len(tagged_processes(tag)) >= 5)  # driver + 3 children + grandchild
     launcher.send_signal(signal.SIGINT)
     assert launcher.wait(timeout=60) == 130
