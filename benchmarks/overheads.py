@@ -7,6 +7,8 @@
   forward, backward and AdamW step on the same batches (each sample in a right-padded row
   of its own, a plain REINFORCE loss), both on one thread with nothing else running.
   Tokens/s counts the samples' tokens, so work the trainer avoids (shared prompts) shows.
+  Then the trainer's step once more with the threads a run gives it (`trainer.num_threads`):
+  the trainer's half of the machine's limit a step (`benchmarks.run`).
 
 Each figure is the median over the recorded steps.
 """
@@ -83,6 +85,7 @@ def trainer_vs_bare(frames: list[tuple[int, bytes]], model_dir: Path, seq_len: i
 
     world = setup_world(1)
     cfg = TrainerConfig(model=ModelConfig(name=str(model_dir)), seq_len=seq_len)
+    torch.set_num_threads(1)
     ours = load_model(cfg.model, world)
     optimizer, scheduler = build_optimizer(ours, cfg.optim)
     bare = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).train()
@@ -99,8 +102,15 @@ def trainer_vs_bare(frames: list[tuple[int, bytes]], model_dir: Path, seq_len: i
             timed[name].append(time.perf_counter() - t0)
     per_step = {name: statistics.median(times[1:]) for name, times in timed.items()}
     rate = statistics.median(tokens)
+    torch.set_num_threads(cfg.num_threads)  # as in a run
+    run_threads = []
+    for batch in [batches[0], *batches]:
+        t0 = time.perf_counter()
+        train_step(ours, optimizer, scheduler, batch, cfg, world)
+        run_threads.append(time.perf_counter() - t0)
     return {"trainer/step_alone_s": per_step["trainer"], "trainer/bare_step_s": per_step["bare"],
-            "trainer/tokens_per_s": rate / per_step["trainer"], "trainer/bare_tokens_per_s": rate / per_step["bare"]}
+            "trainer/tokens_per_s": rate / per_step["trainer"], "trainer/bare_tokens_per_s": rate / per_step["bare"],
+            "trainer/step_run_threads_s": statistics.median(run_threads[1:]), "trainer/run_threads": cfg.num_threads}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,20 +15,21 @@ def curve(system, times, rewards, wall=100.0):
     return bench.Curve(system, times, rewards, wall)
 
 
-MODE = bench.Mode(steps=6, repeats=1, targets=(0.5,), budget_s=25.0)
+MODE = bench.Mode(steps=6, repeats=1, targets=(0.5,), budgets_s=(25.0, 40.0))
 
 
 def test_figures_of_one_curve_by_hand():
     c = curve("prime-rl", [20, 22, 24, 27, 29, 31], [0.1, 0.3, 0.5, 0.7, 0.9, 0.9])
     f = bench.figures(c, MODE)
-    # trailing 5-step means: 0.1, 0.2, 0.3, 0.4, 0.5, 0.66 -> first >= 0.5 at step 4 (t = 29)
-    assert f["time_to_0.5_s"] == 29
+    # trailing 5-step means: 0.1, 0.2, 0.3, 0.4, 0.5, 0.66 -> first >= 0.5 at step 4 (t = 29), 5 steps trained
+    assert f["time_to_0.5_s"] == 29 and f["steps_to_0.5"] == 5
     assert f["startup_s"] == 20 and f["wall_s"] == 100.0
     assert f["s_per_step"] == 2.25  # after step 1: (31 - 22) / 4 steps
-    assert f["reward_at_budget"] == pytest.approx(0.3)  # the 5-step mean at t = 24, the last step <= 25 s
+    assert f["reward_at_25_s"] == pytest.approx(0.3)  # the 5-step mean at t = 24, the last step <= 25 s
+    assert f["reward_at_40_s"] == pytest.approx(0.66)  # every step within 40 s: the last one's
     assert f["reward_first5"] == pytest.approx(0.5) and f["reward_last5"] == pytest.approx(0.66)
     never = bench.figures(curve("trl", [30, 31, 32], [0.1, 0.1, 0.1]), MODE)
-    assert never["time_to_0.5_s"] is None and never["reward_at_budget"] is None
+    assert never["time_to_0.5_s"] is None and never["steps_to_0.5"] is None and never["reward_at_25_s"] is None
 
 
 def test_summary_takes_medians_over_repeats_and_ratios_of_medians():
@@ -42,6 +43,31 @@ def test_summary_takes_medians_over_repeats_and_ratios_of_medians():
     assert summary["ratios"]["wall_s prime-rl/trl"] == pytest.approx(42 / 20)
     assert summary["ratios"]["s_per_step prime-rl/trl"] == pytest.approx(1 / 2)  # (13 - 11) / 2 vs (11 - 7) / 2
     assert summary["ratios"]["time_to_0.5_s prime-rl/trl"] is None  # the peer never reached it
+
+
+def test_steps_to_a_reward_are_medians_over_seeds_with_their_range():
+    # 5-step means first >= 0.5 after 1, 2 and 4 steps; the peer's after 5 in each run
+    ours = [[0.5] * 5, [0.0, 1.0, 0.5, 0.5, 0.5], [0.0, 0.0, 0.0, 2.0, 0.5]]
+    curves = {"prime-rl": [curve("prime-rl", [10, 11, 12, 13, 14], r) for r in ours],
+              "trl": [curve("trl", [5, 6, 7, 8, 9], [0.0, 0.0, 0.0, 0.0, 2.5]) for _ in range(3)]}
+    summary = bench.summarize(curves, MODE)
+    steps = summary["figures"]["prime-rl"]["steps_to_0.5"]
+    assert (steps["median"], steps["min"], steps["max"], steps["n"]) == (2, 1, 4, 3)
+    assert summary["figures"]["prime-rl"]["time_to_0.5_s"]["median"] == 11
+    assert summary["ratios"]["steps_to_0.5 prime-rl/trl"] == pytest.approx(2 / 5)
+    assert summary["ratios"]["time_to_0.5_s prime-rl/trl"] == pytest.approx(11 / 9)
+
+
+def test_both_systems_get_the_repeats_seed():
+    """Repeat i's flags give prime-rl's data order, trainer and vLLM seed i, and the peer's
+    reading of the same config (benchmarks.trl_grpo: the orchestrator's seed) too."""
+    from prime_rl.config import RLConfig
+    from prime_rl.launch.resolve import resolve
+    from prime_rl.settings import load_config
+
+    flags = bench.repeat_flags(steps=3, seed=2)
+    cfg = resolve(load_config(RLConfig, [REPO / bench.QUICKSTART.config], flags))
+    assert (cfg.orchestrator.seed, cfg.trainer.seed, cfg.inference.seed, cfg.orchestrator.max_steps) == (2, 2, 2, 3)
 
 
 def test_results_md_lists_every_results_file(tmp_path):
@@ -139,21 +165,32 @@ def test_results_md_renders_the_scaling_sweep(tmp_path):
 def test_targets_table_says_which_targets_hold(tmp_path):
     results = tmp_path / "results"
     results.mkdir()
-    curves = {"prime-rl": [curve("prime-rl", [10, 11, 12, 13, 14, 15], [0.5, 0.5, 0.5, 0.5, 0.5, 0.8])],
-              "trl": [curve("trl", [5, 7, 9, 11, 13, 15], [0.4] * 6)]}
-    data = {"date": "d", "mode": "m", "machine": {}, **bench.summarize(curves, MODE),
+    mode = bench.Mode(steps=6, repeats=1, targets=(0.85,), budgets_s=(25.0,))
+    curves = {"prime-rl": [curve("prime-rl", [10, 11, 12, 13, 14, 15], [0.5, 0.5, 0.5, 0.5, 0.5, 2.3])],
+              "trl": [curve("trl", [5, 7, 9, 11, 13, 15], [0.4, 0.4, 0.4, 0.4, 0.4, 3.0])],
+              bench.WARM: [curve(bench.WARM, [4, 5, 6, 7, 8, 9], [0.5, 0.5, 0.5, 0.5, 0.5, 2.3])]}
+    data = {"date": "d", "mode": "m", "machine": {}, **bench.summarize(curves, mode),
             "overheads": {"handoff share of step": 0.005, "transport share of step": 0.02,
-                          "trainer step / bare loop step": 1.2, "orchestrator tokens/s / vLLM alone": 0.5}}
+                          "trainer step / bare loop step": 1.2, "orchestrator tokens/s / vLLM alone": 0.5,
+                          "s_per_step / machine limit": 1.05}}
     (results / "quickstart.json").write_text(json.dumps(data))
-    rows = {name.split(" ")[0] + name.split(" ")[1]: (value, holds) for name, value, holds in bench.targets(results)}
-    assert rows["quickstart:seconds"] == (pytest.approx(0.5), True)  # 1 s vs 2 s a step
-    assert rows["quickstart:time"] == (None, None)  # no 0.85 target in this mode: not reached
-    assert rows["quickstart:reward"] == (pytest.approx(0.06), False)  # 0.5 -> mean(0.5 x 4, 0.8)
-    assert rows["weighthandoff"] == (0.005, True) and rows["transport<"] == (0.02, False)
-    assert rows["quickstart:start-up"] == (None, None)  # no profile in this file
-    assert rows["quickstart,warm"] == (None, None)  # no warm-server runs in this file
-    assert rows["trainerstep"] == (1.2, True) and rows["orchestrator>="] == (0.5, False)
+    rows = {name: (value, holds) for name, value, holds in bench.targets(results)}
+    find = lambda start: next(v for k, v in rows.items() if k.startswith(start))  # noqa: E731
+    # 5-step means reach 0.85 at the last step: 15 s (prime-rl), 15 s (trl), 9 s (warm); 6 steps each
+    assert find("quickstart: time to") == (pytest.approx(1.0), True)
+    assert find("quickstart, warm inference server: time to") == (pytest.approx(9 / 15), True)
+    assert find("quickstart: steps to") == (pytest.approx(1.0), True)
+    assert find("quickstart: start-up") == (pytest.approx(2.0), True)  # 10 s vs 5 s
+    assert find("quickstart, warm inference server: start-up") == (pytest.approx(4 / 5), True)
+    assert find("quickstart: seconds per step") == (1.05, True)
+    assert find("quickstart: reward gain") == (pytest.approx(0.36), True)  # 0.5 -> mean(0.5 x 4, 2.3)
+    assert find("weight handoff") == (0.005, True) and find("transport") == (0.02, False)
+    assert find("trainer step") == (1.2, True) and find("orchestrator >=") == (0.5, False)
     assert "| transport < 1% of a step | 0.02 | no |" in bench.write_results_md(results).read_text()
+    del data["overheads"]
+    (results / "quickstart.json").write_text(json.dumps(data))
+    rows = {name: (value, holds) for name, value, holds in bench.targets(results)}
+    assert find("quickstart: seconds per step") == (None, None)  # not measured: not judged
 
 
 def test_the_warm_server_runs_get_ratios_of_their_own():

@@ -193,6 +193,19 @@ def test_trainer_lora_turns_on_adapters_in_inference_and_the_orchestrator():
             RLConfig.model_validate(data)
 
 
+def test_the_runs_seed_seeds_vllms_sampling_too():
+    """`seed` reaches every process: data order, the trainer and vLLM's sampling (`--seed`);
+    without one, vLLM keeps its own default."""
+    from prime_rl.vllm_command import vllm_command
+    from prime_rl.config import RLConfig
+
+    cfg = resolve(RLConfig.model_validate({"seed": 3}))
+    assert (cfg.trainer.seed, cfg.orchestrator.seed, cfg.inference.seed) == (3, 3, 3)
+    cmd = vllm_command(cfg.inference, cpu=True)
+    assert cmd[cmd.index("--seed") + 1] == "3"
+    assert "--seed" not in vllm_command(RLConfig().inference, cpu=True)
+
+
 def test_vllm_ignores_the_models_generation_defaults():
     """A model's generation_config.json (Qwen3: top_k 20, top_p 0.8) must not reshape what
     vLLM samples: the server starts with vLLM's own defaults, the full softmax."""

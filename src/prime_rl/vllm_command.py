@@ -49,6 +49,8 @@ def vllm_command(cfg: InferenceConfig, cpu: bool) -> list[str]:
     # vLLM's own defaults (the full softmax), not the model folder's generation_config.json:
     # requests pin these fields too (orchestrator.client.FULL_DISTRIBUTION); docs/sampling.md
     cmd += ["--generation-config", "vllm"]
+    if cfg.seed is not None:
+        cmd += ["--seed", str(cfg.seed)]
     if cfg.enforce_eager:
         cmd.append("--enforce-eager")
     if cfg.api_key:

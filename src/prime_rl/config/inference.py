@@ -42,6 +42,9 @@ class InferenceConfig(StrictModel):
     max_logprobs: int = Field(20, ge=0)
     """Most logprobs a request may ask for a position (vLLM `--max-logprobs`); a distillation teacher gets `trainer.loss.distill.top_k` when that is larger."""
 
+    seed: int | None = None
+    """vLLM's sampling seed (`--seed`); filled from the run's `seed`. None = vLLM's default."""
+
     enforce_eager: bool = True
     """Skip graph capture (faster start; the right choice on CPU)."""
 

@@ -176,7 +176,7 @@ SHARED_FIELDS: dict[str, tuple[str, ...]] = {
     "seq_len": ("trainer.seq_len", "orchestrator.seq_len", "inference.seq_len"),
     "output_dir": ("trainer.output_dir", "orchestrator.output_dir", "inference.output_dir"),
     "async_level": ("orchestrator.async_level",),
-    "seed": ("trainer.seed", "orchestrator.seed"),
+    "seed": ("trainer.seed", "orchestrator.seed", "inference.seed"),
     "batch_size": ("orchestrator.batch_size",),
     "rollouts_per_example": ("orchestrator.rollouts_per_example",),
     "sampling": ("orchestrator.sampling",),
