@@ -6,7 +6,7 @@ import random
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from prime_rl.rundir import MARKER, read_jsonl
-from trainer.sft import main, tokenize_chat
+from trainer.sft import main, reached_loss, tokenize_chat
 
 IM_START, IM_END, NL = 257, 258, 10  # tiny byte-level tokenizer: byte ids, then specials
 
@@ -61,6 +61,28 @@ def test_sft_run_writes_a_loadable_model_with_marker(tiny_model, tmp_path):
     assert [r["step"] for r in rows] == list(range(1, 13)) and all(r["process"] == "sft" for r in rows)
     assert {"loss/sft", "perf/tokens_per_s", "time/step"} <= rows[0].keys()
     assert rows[-1]["loss/sft"] < rows[0]["loss/sft"]
+
+
+def test_the_loss_target_is_a_mean_over_the_window():
+    losses = [3.0, 1.0, 0.8, 0.6]
+    assert not reached_loss(losses, None, 1)  # no target: never
+    assert not reached_loss(losses[:1], 2.0, 2)  # fewer steps than the window: never
+    assert not reached_loss(losses[:2], 1.9, 2)  # (3.0 + 1.0) / 2 = 2.0
+    assert reached_loss(losses[:2], 2.0, 2)
+    assert reached_loss(losses, 0.8, 3) and not reached_loss(losses, 0.79, 3)  # (1.0 + 0.8 + 0.6) / 3
+
+
+def test_sft_stops_at_its_loss_target_and_still_publishes(tiny_model, tmp_path, capsys):
+    chats = [{"messages": [{"role": "user", "content": w}, {"role": "assistant", "content": w[::-1]}]} for w in ("abc", "defg")]
+    (tmp_path / "chats.jsonl").write_text("\n".join(json.dumps(c) for c in chats) + "\n")
+    out = tmp_path / "sft"
+    config = {"model": {"name": str(tiny_model)}, "data": {"path": str(tmp_path / "chats.jsonl"), "batch_size": 2, "micro_batch_size": 2},
+              "max_steps": 50, "stop_loss": 100.0, "stop_window": 3, "seq_len": 64, "output_dir": str(out), "num_threads": 1}
+    (tmp_path / "sft.json").write_text(json.dumps(config))
+    assert main(["--config", str(tmp_path / "sft.json")]) == 0
+    assert [r["step"] for r in read_jsonl(out / "metrics.jsonl")] == [1, 2, 3]  # the first window's mean is below 100
+    assert (out / MARKER).is_file()
+    assert "stopped at step 3: mean loss of the last 3 steps" in capsys.readouterr().out
 
 
 def test_the_sft_model_carries_a_generation_config_transformers_would_refuse(tmp_path, sampling_defaults_model):

@@ -62,8 +62,10 @@ def train_sft(cfg: SFTConfig) -> None:
     metrics = make_metrics("sft", output_dir, CONSOLE_KEYS, cfg.wandb, cfg.model_dump(mode="json"))
     console = [s for s in metrics.sinks if isinstance(s, ConsoleSink)]
     metrics.sinks = [s for s in metrics.sinks if not isinstance(s, ConsoleSink)]  # printed every N steps instead
-    log(f"{len(examples)} chats from {cfg.data.path}, {cfg.max_steps} steps of {cfg.data.batch_size}")
+    until = f" (or until the mean loss of {cfg.stop_window} steps is <= {cfg.stop_loss:g})" if cfg.stop_loss else ""
+    log(f"{len(examples)} chats from {cfg.data.path}, {cfg.max_steps} steps of {cfg.data.batch_size}{until}")
 
+    losses: list[float] = []
     for step in range(1, cfg.max_steps + 1):
         t_start = time.perf_counter()
         # 1. next batch of chats (the data cycles, reshuffled every epoch)
@@ -74,15 +76,32 @@ def train_sft(cfg: SFTConfig) -> None:
         elapsed = time.perf_counter() - t_start
         row = {**stats, "perf/tokens_per_s": stats["perf/tokens"] / elapsed, "time/step": elapsed}
         metrics.log(step, row)
-        if step % CONSOLE_EVERY == 0 or step in (1, cfg.max_steps):
+        losses.append(stats["loss/sft"])
+        stop = reached_loss(losses, cfg.stop_loss, cfg.stop_window)
+        if step % CONSOLE_EVERY == 0 or step in (1, cfg.max_steps) or stop:
             for sink in console:
                 sink.log({"step": step, **row})
+        # 4. stop early once the loss target is reached
+        if stop:
+            log(f"stopped at step {step}: mean loss of the last {cfg.stop_window} steps "
+                f"{np.mean(losses[-cfg.stop_window:]):.3f} <= stop_loss {cfg.stop_loss:g}")
+            break
+    else:
+        if cfg.stop_loss is not None:
+            log(f"warning: max_steps ({cfg.max_steps}) reached before stop_loss ({cfg.stop_loss:g}): mean loss of the "
+                f"last {cfg.stop_window} steps {np.mean(losses[-cfg.stop_window:]):.3f}")
 
     # ---- publish: weights + tokenizer, marker last
     save_model(model, tokenizer, cfg.model.name, output_dir, DTYPES[cfg.model.dtype])
     metrics.close()
     teardown_world(world)  # the one-rank process group of a bfloat16 run (trainer.model)
     log(f"done: model in {output_dir}")
+
+
+def reached_loss(losses: list[float], target: float | None, window: int) -> bool:
+    """Whether the mean of the last ``window`` losses is at or below ``target`` (never
+    before ``window`` steps, nor without a target)."""
+    return target is not None and len(losses) >= window and float(np.mean(losses[-window:])) <= target
 
 
 def sft_step(model: nn.Module, optimizer, scheduler, chats: list[Example], cfg: SFTConfig, device) -> dict[str, float]:

@@ -223,7 +223,15 @@ class SFTConfig(StrictModel):
     """Optimizer settings."""
 
     max_steps: int = Field(200, ge=1)
-    """Optimizer steps."""
+    """Optimizer steps (with `stop_loss`: the most it may take)."""
+
+    stop_loss: float | None = Field(None, gt=0)
+    """Stop once the mean `loss/sft` of the last `stop_window` steps is at or below this;
+    None = always `max_steps`. Where the loss falls steeply, a step count lands on another
+    point of the fall on every machine and seed, a loss the same point (docs/benchmarks.md)."""
+
+    stop_window: int = Field(20, ge=1)
+    """Steps `stop_loss` averages over."""
 
     seq_len: int = Field(512, ge=8)
     """Chats longer than this are truncated."""
