@@ -260,10 +260,12 @@ def figures(curve: Curve, mode: Mode) -> dict[str, float | None]:
 
 
 def spread(values: list[float | None]) -> dict[str, float | None]:
+    """Median, min and max of the known values; ``n`` of them out of ``of`` (a level some
+    repeats never reached counts in ``of`` only)."""
     known = [v for v in values if v is not None]
     if not known:
-        return {"median": None, "min": None, "max": None, "n": 0}
-    return {"median": statistics.median(known), "min": min(known), "max": max(known), "n": len(known)}
+        return {"median": None, "min": None, "max": None, "n": 0, "of": len(values)}
+    return {"median": statistics.median(known), "min": min(known), "max": max(known), "n": len(known), "of": len(values)}
 
 
 def summarize(curves: dict[str, list[Curve]], mode: Mode) -> dict:
@@ -455,9 +457,10 @@ def _num(v: float | None) -> str:
 def _cell(s: dict) -> str:
     if s["median"] is None:
         return "not reached"
+    some = f" ({s['n']} of {s['of']} reached)" if s.get("of", s["n"]) > s["n"] else ""
     if s["n"] == 1:
-        return f"{s['median']:.3g}"
-    return f"{s['median']:.3g} [{s['min']:.3g}, {s['max']:.3g}]"
+        return f"{s['median']:.3g}{some}"
+    return f"{s['median']:.3g} [{s['min']:.3g}, {s['max']:.3g}]{some}"
 
 
 def repeat_flags(steps: int, seed: int) -> list[str]:

@@ -56,6 +56,9 @@ def test_steps_to_a_reward_are_medians_over_seeds_with_their_range():
     assert summary["figures"]["prime-rl"]["time_to_0.5_s"]["median"] == 11
     assert summary["ratios"]["steps_to_0.5 prime-rl/trl"] == pytest.approx(2 / 5)
     assert summary["ratios"]["time_to_0.5_s prime-rl/trl"] == pytest.approx(11 / 9)
+    one_of_three = {"prime-rl": [curve("prime-rl", [1, 2], [0.9, 0.9]), *[curve("prime-rl", [1, 2], [0.1, 0.1])] * 2]}
+    cell = bench._cell(bench.summarize({**one_of_three, "trl": curves["trl"]}, MODE)["figures"]["prime-rl"]["time_to_0.5_s"])
+    assert cell == "1 (1 of 3 reached)"  # a median over the seeds that reached it says how many did
 
 
 def test_both_systems_get_the_repeats_seed():
