@@ -470,20 +470,20 @@ def repeat_flags(steps: int, seed: int) -> list[str]:
 
 def measure(regime: Regime, mode: Mode, repeats: int, started: float) -> dict[str, list[Curve]]:
     """Both systems, ``repeats`` times each (repeat i with seed i on both sides), alternating
-    so drift in the machine's speed hits both alike."""
+    so drift in the machine's speed hits both alike. The warm-server runs take seed i for
+    their data order and trainer; vLLM's sampling seed is the one server's, started once."""
     model = prepare_model(mode.recipe)
     if mode.base_model:
         model = model.parent / "base"
     print(f"[bench] {regime.name}: model ready ({time.time() - started:.0f} s)", flush=True)
-    flags = lambda seed: repeat_flags(mode.steps, seed)  # noqa: E731
     curves: dict[str, list[Curve]] = {"prime-rl": [], "trl": []}
     for i in range(repeats):
-        curves["prime-rl"].append(run_prime_rl(regime.config, model, WORK / regime.name / f"prime-rl-{i}", flags(i)))
-        curves["trl"].append(run_trl(regime.config, model, WORK / regime.name / f"trl-{i}", flags(i)))
+        curves["prime-rl"].append(run_prime_rl(regime.config, model, WORK / regime.name / f"prime-rl-{i}", repeat_flags(mode.steps, i)))
+        curves["trl"].append(run_trl(regime.config, model, WORK / regime.name / f"trl-{i}", repeat_flags(mode.steps, i)))
         print(f"[bench] {regime.name}: repeat {i + 1}/{repeats} done ({time.time() - started:.0f} s)", flush=True)
     if mode.warm:  # after the others: an idle vLLM server keeps more than a core busy
         with warm_server(regime.config, model, WORK / regime.name) as warm:
-            curves[WARM] = [run_prime_rl(regime.config, model, WORK / regime.name / f"prime-rl-warm-{i}", flags(i), warm, WARM)
+            curves[WARM] = [run_prime_rl(regime.config, model, WORK / regime.name / f"prime-rl-warm-{i}", repeat_flags(mode.steps, i), warm, WARM)
                             for i in range(repeats)]
         print(f"[bench] {regime.name}: warm-server runs done ({time.time() - started:.0f} s)", flush=True)
     return curves
