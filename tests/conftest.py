@@ -53,7 +53,7 @@ def think_model(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def tool_model(tmp_path_factory) -> Path:
+def tool_model(tmp_path_factory, tiny_model) -> Path:
     """The tiny model after a short SFT on the first turn of wiki-search episodes (other
     generated wikis than the tests'): it learns to open with a `search_pages` call in
     Qwen3's `<tool_call>` JSON, which vLLM's hermes parser reads (measured: after 200 steps
@@ -62,8 +62,7 @@ def tool_model(tmp_path_factory) -> Path:
     import json
 
     root = tmp_path_factory.mktemp("models")
-    base, data, out = root / "tiny", root / "wiki_sft.jsonl", root / "tool"
-    subprocess.run([sys.executable, str(REPO / "scripts" / "build_tiny_model.py"), str(base)], check=True, capture_output=True)
+    base, data, out = tiny_model, root / "wiki_sft.jsonl", root / "tool"
     subprocess.run([sys.executable, str(REPO / "scripts" / "make_sft_data.py"), str(data), "--env", "wiki-search",
                     "--num-examples", "2000"], check=True, capture_output=True)
     rows = [json.loads(line) for line in data.read_text().splitlines()]

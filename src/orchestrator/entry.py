@@ -2,6 +2,7 @@
 and `orchestrator.gepa`. An entry point imports this module, never another entry point.
 
 - ``load_tokenizer``: a model's tokenizer, or a one-line ``ConfigError``;
+  ``start_loading_tokenizer``: the same in the background, while the environments load;
 - ``make_client`` / ``make_sampler``: the client of a resolved model (``EvalTarget``: an
   endpoint of the endpoints file, or a local vLLM server the command started) and the
   environments' ``ModelClient`` over it (exact tokens locally, text from an endpoint);
@@ -18,7 +19,9 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 from collections.abc import Callable
+from concurrent.futures import Future
 
 from prime_rl.config import ClientConfig, EvalRunConfig, EvalTarget, GepaRunConfig, SamplingConfig, check_model_path
 from prime_rl.envs import Environment, ModelClient
@@ -61,6 +64,27 @@ def load_tokenizer(name: str):
         return AutoTokenizer.from_pretrained(name)
     except (OSError, ValueError) as e:
         raise ConfigError(f"cannot load the tokenizer of {name!r}: {e}") from None
+
+
+def start_loading_tokenizer(name: str | None) -> Callable[[], object]:
+    """``load_tokenizer(name)`` begun now in a daemon thread, so that it overlaps what the
+    process does next (its environments load, a verifiers environment's in a worker process
+    of its own): importing transformers and torch for a tokenizer takes ~3 s here, as long as
+    a worker's start. Returns the call that waits for it (raising its ConfigError); ``None``
+    (no tokenizer) gives None. A daemon: a process that fails first does not wait for it.
+    Imports in both threads are safe: Python locks each module while it is imported."""
+    if name is None:
+        return lambda: None
+    loaded: Future = Future()
+
+    def load() -> None:
+        try:
+            loaded.set_result(load_tokenizer(name))
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits for the tokenizer
+            loaded.set_exception(e)
+
+    threading.Thread(target=load, name="load-tokenizer", daemon=True).start()
+    return loaded.result
 
 
 def with_api_key(client_cfg: ClientConfig, target: EvalTarget) -> ClientConfig:

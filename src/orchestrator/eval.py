@@ -34,12 +34,12 @@ from prime_rl.envs import Environment, Example, ModelClient, Rollout
 from prime_rl.keys import redact
 from prime_rl.registry import PASS_PARSER
 from prime_rl.rundir import log_path, write_failed, write_json_atomic
-from prime_rl.settings import ConfigError, help_text, process_config
+from prime_rl.settings import ConfigError, exit_process, help_text, process_config
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from orchestrator.entry import check_tool_parser, load_tokenizer, make_client, make_sampler, progress_bar, run_entry
+from orchestrator.entry import check_tool_parser, make_client, make_sampler, progress_bar, run_entry, start_loading_tokenizer
 from orchestrator.envs import load_env
 from orchestrator.rollouts import run_groups, summarize
 
@@ -76,10 +76,11 @@ def setup(argv: list[str]) -> tuple[EvalRunConfig, list[tuple[EvalEnvConfig, Env
         raise ConfigError("the config has no `target` / `run_id`: start evaluations with `prime-rl eval`, which resolves the model")
     local = cfg.target.type == "local"
     envs: list[tuple[EvalEnvConfig, Environment]] = []
+    tokenizer_loaded = start_loading_tokenizer(cfg.inference.model if local else None)
     try:
         for entry in cfg.eval:
             envs.append((entry, load_env(entry.env_config(), cfg.inference.output_dir, cfg.inference.model if local else None)))
-        tokenizer = load_tokenizer(cfg.inference.model) if local else None
+        tokenizer = tokenizer_loaded()
         if local:  # an endpoint's API parses its own tool calls
             check_tool_parser([(entry.id, env) for entry, env in envs], cfg.inference.tool_call_parser, PASS_PARSER)
     except (ValueError, ConfigError) as e:
@@ -245,4 +246,4 @@ def evaluate(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

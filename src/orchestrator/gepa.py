@@ -38,7 +38,7 @@ from prime_rl.config import ClientConfig, EvalTarget, GepaRunConfig
 from prime_rl.envs import Environment, Example
 from prime_rl.keys import private_opener, redact
 from prime_rl.rundir import write_failed, write_json_atomic
-from prime_rl.settings import ConfigError, help_text, one_line, process_config
+from prime_rl.settings import ConfigError, exit_process, help_text, one_line, process_config
 from rich.console import Console
 from rich.progress import Progress
 
@@ -310,4 +310,4 @@ def optimize(cfg: GepaRunConfig, task: Task) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

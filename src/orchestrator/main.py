@@ -56,7 +56,7 @@ from prime_rl.heartbeat import Heartbeat
 from prime_rl.metrics import Metrics, make_metrics
 from prime_rl.registry import SET_PARSER
 from prime_rl.rundir import MARKER, latest_weights_step, weights_dir, weights_step_dir
-from prime_rl.settings import ConfigError, help_text, process_config
+from prime_rl.settings import ConfigError, exit_process, help_text, process_config
 from prime_rl.wire import encode_batch
 
 from orchestrator.advantages import group_advantages, zero_variance_groups
@@ -64,7 +64,7 @@ from orchestrator.batch import ScoredRollout, pack_batches
 from orchestrator.client import InferenceClient
 from orchestrator.data import ExampleOrder
 from orchestrator.envs import load_env
-from orchestrator.entry import check_tool_parser, load_tokenizer, run_entry
+from orchestrator.entry import check_tool_parser, run_entry, start_loading_tokenizer
 from orchestrator.inflight import Group, GroupPool
 from orchestrator.preflight import PreflightFailed, preflight
 from orchestrator.progress import (
@@ -592,13 +592,14 @@ def setup(argv: list[str]) -> tuple[OrchestratorConfig, list[tuple[str, Environm
     """Config, environments (by metric name) and tokenizer; raises ConfigError for anything
     the user must fix first (including a chat template multi-turn rollouts cannot use)."""
     cfg = process_config(OrchestratorConfig, argv)
+    tokenizer_loaded = start_loading_tokenizer(cfg.tokenizer or cfg.model)
     envs = load_envs(cfg.env, cfg.output_dir, cfg.tokenizer or cfg.model)
     try:
         for (_, env), env_cfg in zip(envs, cfg.env):
             if not env.dataset:
                 raise ConfigError(f"environment {env_cfg.id!r} has no training examples (only an eval split)")
         check_tool_parser([(env_cfg.id, env) for (_, env), env_cfg in zip(envs, cfg.env)], cfg.tool_call_parser, SET_PARSER)
-        tokenizer = load_tokenizer(cfg.tokenizer or cfg.model)
+        tokenizer = tokenizer_loaded()
         if cfg.multi_turn == "sequence" and any(env.max_turns != 1 and not getattr(env, "renders_prompts", False)
                                                 for _, env in envs):
             try:
@@ -649,4 +650,4 @@ def orchestrate(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

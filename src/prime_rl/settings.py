@@ -8,13 +8,16 @@ out as one line per problem naming the key and its section.
 
 from __future__ import annotations
 
+import atexit
 import json
+import os
 import sys
+import threading
 import tomllib
 import traceback
 from pathlib import Path
 from collections.abc import Callable
-from typing import Any, TypeVar, get_args, get_origin
+from typing import Any, NoReturn, TypeVar, get_args, get_origin
 
 from pydantic import BaseModel, ValidationError
 
@@ -265,6 +268,23 @@ def run_entry(
         traceback.print_exc()
         print(f"[{name}] failed: {type(e).__name__}: {one_line(e)}", file=sys.stderr, flush=True)
         return 1
+
+
+def exit_process(code: int) -> NoReturn:
+    """End the process with ``code`` the way the interpreter would, minus its module teardown:
+    the interpreter's own first steps (``threading._shutdown``: thread pools told to stop,
+    other threads but daemons joined; then the atexit handlers), output flushed, then
+    ``os._exit``. Freeing every module of torch and transformers one object at a time takes
+    0.5-1.3 s here (docs/machine_facts.md, "process exit"), which every run's end and every
+    test of a process would wait for, for memory the kernel takes back at once anyway."""
+    threading._shutdown()  # what Py_FinalizeEx calls first; joining threads by hand would hang on live pools
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe or stream: nothing left to say
+            pass
+    os._exit(code)
 
 
 def leaf_errors(error: BaseException) -> list[BaseException]:

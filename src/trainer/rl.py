@@ -24,7 +24,7 @@ from prime_rl.config import DistillConfig, LossConfig, TrainerConfig
 from prime_rl.heartbeat import Heartbeat
 from prime_rl.metrics import Metrics, make_metrics
 from prime_rl.rundir import checkpoint_step_dir
-from prime_rl.settings import run_process
+from prime_rl.settings import exit_process, run_process
 from prime_rl.wire import TrainBatch
 from trainer.ckpt import CheckpointError, checkpoint_due, load_checkpoint, save_checkpoint
 from trainer.data import BatchReceiver, MicroTensors, collate, micro_batches
@@ -374,4 +374,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    exit_process(main())

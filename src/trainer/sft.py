@@ -26,7 +26,7 @@ from prime_rl.chat import TemplateError, assistant_span, render_ids
 from prime_rl.config import SFTConfig
 from prime_rl.metrics import ConsoleSink, make_metrics
 from prime_rl.rundir import MARKER
-from prime_rl.settings import run_process
+from prime_rl.settings import exit_process, run_process
 from trainer.data import right_pad
 from trainer.head import HeadQuery
 from trainer.model import DTYPES, forward_logits, load_model, setup_world, teardown_world
@@ -227,4 +227,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    exit_process(main())

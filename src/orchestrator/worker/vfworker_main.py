@@ -37,7 +37,7 @@ import traceback
 from typing import Any
 
 import vfworker_wire as wire
-from vfworker_util import LoadError, log, one_line, plain
+from vfworker_util import LoadError, exit_process, log, one_line, plain
 
 HEARTBEAT_S = 2.0
 NETWORK_MODULES = ("datasets", "huggingface_hub", "nltk", "requests", "httpx", "urllib", "urllib3", "openai",
@@ -227,4 +227,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())
