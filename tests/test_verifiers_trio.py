@@ -30,11 +30,15 @@ def test_lora_on_a_classic_multi_turn_env_trains_in_the_trio_and_resumes_after_i
     environment: the trainer writes PEFT adapters, vLLM (base model, LoRA enabled) loads each
     one at run time and requests name it, so what was sampled is what peft computes with that
     adapter. The worker's death stops the run naming the environment; the resume starts vLLM
-    on the base model and loads the checkpoint's adapter before sampling."""
+    on the base model and loads the checkpoint's adapter before sampling. The environment's
+    `letters_reward` differs between any two replies, so every group has advantages and the
+    adapter moves from the first step (with vf-multi's own rewards most groups tie, and an
+    adapter still at zero serves the base model: a clean-clone run failed so, its step-2 gap
+    to the base 9e-8)."""
     python = verifiers_venv("0.3.1", CLASSIC)
     run_dir = tmp_path / "run"
     config = tmp_path / "rl.toml"
-    env = f'id = "vf-multi"\npython = "{python}"\nargs = {{ num_examples = 64 }}'
+    env = f'id = "vf-multi"\npython = "{python}"\nargs = {{ num_examples = 64, letters_reward = true }}'
     config.write_text(trio_toml(tiny_model, run_dir, max_steps=MAX_STEPS, env=env, seq_len=256, max_tokens=8,
                                 async_level=0, lr=2e-2, extra=LORA))
 
