@@ -25,7 +25,8 @@ import time
 import psutil
 
 ROLES = (("trainer.rl", "trainer"), ("orchestrator", "orchestrator"), ("api_server", "vllm_api"),
-         ("EngineCore", "vllm_engine"), ("Worker", "vllm_worker"))
+         ("inference.vllm_cpu", "vllm_api"), ("EngineCore", "vllm_engine"), ("Worker", "vllm_worker"))
+"""A process's role by its command line or title (vLLM's server is `inference.vllm_cpu` on CPU)."""
 
 
 def role(proc: psutil.Process) -> str | None:

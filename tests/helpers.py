@@ -93,13 +93,10 @@ def trio_toml(
     max_tokens: int = 8,
     temperature: float = 1.0,
     preflight: str = SMALL_PREFLIGHT,
-    worker_in_engine: bool = True,
 ) -> str:
     """A tiny RL run: few short rollouts, free ports so tests never collide (two in a row:
     a second trainer rank or vLLM replica takes the next one), the `[preflight]` section
-    ``preflight``. With ``worker_in_engine`` vLLM runs the model in its engine process, which
-    starts faster (inference.cpu_worker_in_engine); without, in a worker process of its own
-    (vLLM's default, what the tmux run keeps)."""
+    ``preflight``."""
     return f"""
 model = "{model}"
 output_dir = "{run_dir}"
@@ -131,7 +128,6 @@ micro_batch_size = 8
 
 [inference]
 port = {free_port_pair()}
-cpu_worker_in_engine = {str(worker_in_engine).lower()}
 {extra}"""
 
 

@@ -101,23 +101,22 @@ def test_vllm_env_keeps_the_users_logging_setting_and_shows_no_secret():
     line = shell_line(cfg, cpu=True, env={"CUDA_VISIBLE_DEVICES": "0,1"})
     assert "sekret-key" not in line and line.startswith("CUDA_VISIBLE_DEVICES=0,1 ")
     words = shlex.split(line)
-    assert "PRIME_RL_INFERENCE_API_KEY=<redacted>" in words and words[words.index("-m") + 1] == "vllm.entrypoints.openai.api_server"
+    assert "PRIME_RL_INFERENCE_API_KEY=<redacted>" in words and words[words.index("-m") + 1] == "inference.vllm_cpu"
 
 
-def test_the_model_runs_in_the_engine_process_on_cpu_only_when_asked():
-    """`cpu_worker_in_engine` turns vLLM's multiprocessing off on CPU (its CPU platform then
-    keeps the one-process executor); vLLM's own worker process is the default, and GPU
-    servers never get the switch. The local teacher inherits it. Thread binding needs
-    vLLM's worker process, so asking for both is refused naming the field."""
-    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in vllm_env(config().inference, cpu=True)
-    cfg = config(inference={"cpu_worker_in_engine": True},
-                 teacher={"model": "/teacher"}, trainer={"loss": {"distill": {"kl_weight": 1.0}}})
-    assert vllm_env(cfg.inference, cpu=True)["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
-    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in vllm_env(cfg.inference, cpu=False)
-    teacher = teacher_server(cfg, plan_single_node(cfg, 0).teacher)
-    assert vllm_env(teacher, cpu=True)["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
-    with pytest.raises(ValueError, match="cpu_threads_bind: vLLM binds threads only in a worker process of its own"):
-        config(inference={"cpu_worker_in_engine": True, "cpu_threads_bind": "0"})
+def test_on_cpu_vllm_starts_through_the_module_that_forks_its_engine_unless_told_not_to():
+    """CPU servers start as `python -m inference.vllm_cpu` (vLLM's server, its engine
+    processes forked) by default, the local teacher's too; `cpu_fork = false` starts vLLM's
+    module as it is, and GPU servers always do (fork is vLLM's own default there). The rest of
+    the command line is the same either way."""
+    module = lambda cmd: cmd[cmd.index("-m") + 1]  # noqa: E731
+    cfg = config(teacher={"model": "/teacher"}, trainer={"loss": {"distill": {"kl_weight": 1.0}}})
+    assert module(vllm_command(cfg.inference, cpu=True)) == "inference.vllm_cpu"
+    assert module(vllm_command(teacher_server(cfg, plan_single_node(cfg, 0).teacher), cpu=True)) == "inference.vllm_cpu"
+    assert module(vllm_command(cfg.inference, cpu=False)) == "vllm.entrypoints.openai.api_server"
+    spawned = config(inference={"cpu_fork": False}).inference
+    assert module(vllm_command(spawned, cpu=True)) == "vllm.entrypoints.openai.api_server"
+    assert vllm_command(spawned, cpu=True)[3:] == vllm_command(cfg.inference, cpu=True)[3:]
 
 
 def test_too_few_gpus_is_one_line():

@@ -397,7 +397,6 @@ args = {{ source = "generated", max_turns = 2 }}
 
 [inference]
 tool_call_parser = "hermes"
-cpu_worker_in_engine = true
 """)
     tag, out = new_tag(), tmp_path / "evals"
     proc = eval_cli([str(config), "--output-dir", str(out)], env={"PRIME_RL_TEST_TAG": tag}, timeout=600)

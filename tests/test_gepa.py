@@ -264,7 +264,7 @@ def test_prime_rl_gepa_on_the_tiny_model_served_by_real_vllm(tmp_path, tiny_mode
     out = subprocess.run(
         [sys.executable, "-m", "prime_rl.cli", "gepa", "reverse-text", "-m", str(tiny_model), "-B", "12", "-n", "4", "-N", "3",
          "--minibatch-size", "2", "-t", "16", "--seq-len", "512", "--output-dir", str(tmp_path / "gepa"),
-         "--endpoints-path", str(tmp_path / "none.toml"), "--inference.cpu-worker-in-engine"],
+         "--endpoints-path", str(tmp_path / "none.toml")],
         cwd=REPO, capture_output=True, text=True, timeout=600, env={**__import__("os").environ, "PRIME_RL_TEST_TAG": tag},
     )
     assert out.returncode == 0, out.stdout + out.stderr

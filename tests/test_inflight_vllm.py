@@ -1,5 +1,7 @@
 """In-flight weight updates on the real vLLM engine: a reload that lands mid-completion, and
-the prefix cache across policy versions (one vLLM server for the module)."""
+the prefix cache across policy versions (one vLLM server for the module). That server is
+vLLM's module started as it is (`inference.cpu_fork = false`, its engine processes spawned):
+the one real server of the suite that keeps the way out of the fork every other one takes."""
 
 import asyncio
 import json
@@ -41,7 +43,7 @@ def server(tiny_model, tmp_path_factory):
     port, tag = free_port(), new_tag()
     config = root / "inference.json"
     config.write_text(json.dumps({"model": str(tiny_model), "port": port, "seq_len": SEQ_LEN, "max_num_seqs": 8,
-                                  "cpu_worker_in_engine": True}))
+                                  "cpu_fork": False}))
     log = (root / "inference.log").open("w")
     proc = subprocess.Popen([sys.executable, "-m", "inference.server", "--config", str(config)], stdout=log,
                             stderr=subprocess.STDOUT, env={**os.environ, "PRIME_RL_TEST_TAG": tag}, start_new_session=True)

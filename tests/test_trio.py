@@ -136,13 +136,12 @@ def tmux_run(tmp_path_factory, sampling_defaults_model) -> TmuxRun:
     mode (the test below), a sound run on a model whose generation_config.json truncates
     sampling (``assert_trained_and_handed_off``) and two-turn alphabet-sort trained on exactly
     the sampled tokens. The model is the tiny one with only that file changed (same weights
-    and tokenizer). vLLM runs as users get it by default, its model in a worker process of its
-    own; the other trio runs start faster with the model in the engine process."""
+    and tokenizer)."""
     import libtmux
 
     tmp_path = tmp_path_factory.mktemp("tmux")
     proc, run_dir, tag = launch(tmp_path, sampling_defaults_model, f"tmux-{os.getpid()}", env=MULTI_TURN_ENV, seq_len=768,
-                                max_tokens=MULTI_TURN_MAX_TOKENS, worker_in_engine=False)
+                                max_tokens=MULTI_TURN_MAX_TOKENS)
     session_name = f"prime-rl-{run_dir.name}"
     server, drawn = libtmux.Server(), tmp_path / "status-pane.txt"
     seen = watch_panes(proc, server, session_name, drawn)
@@ -333,7 +332,7 @@ def distilled_run(tmp_path_factory, tiny_model, other_tiny_model) -> KilledRun:
         # 20 minutes (the launcher's stop-the-others rule for any process is
         # tests/test_launcher.py's); `bash scripts/test.sh -m slow` runs them.
         pytest.param("orchestrator", "-m orchestrator.main", marks=pytest.mark.slow),
-        pytest.param("inference", "vllm.entrypoints.openai.api_server", marks=pytest.mark.slow),
+        pytest.param("inference", "-m inference.vllm_cpu", marks=pytest.mark.slow),
     ],
     ids=["trainer", "orchestrator", "inference"],
 )

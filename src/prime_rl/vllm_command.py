@@ -23,6 +23,9 @@ from collections.abc import Mapping
 from prime_rl.config import InferenceConfig
 from prime_rl.keys import API_KEY_ENV, redact
 
+CPU_FORK_SERVER = "inference.vllm_cpu"
+"""The module that runs vLLM's server with its engine processes forked (`inference.cpu_fork`)."""
+
 AUTH_MIDDLEWARE = "inference.auth.RequireApiKey"
 """vLLM `--middleware` that requires the key on every route (vLLM's `--api-key` guards /v1 only)."""
 
@@ -38,8 +41,9 @@ def on_cpu() -> bool:
 
 def vllm_command(cfg: InferenceConfig, cpu: bool) -> list[str]:
     """vLLM's OpenAI server for ``cfg``, `extra_args` last (so they win where vLLM reads the last value)."""
-    # `vllm serve` fails with vllm-cpu (it looks for the distribution `vllm`): start the module.
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+    # `vllm serve` fails with vllm-cpu (it looks for the distribution `vllm`): start the module,
+    # on CPU through ours that forks its engine processes (inference.vllm_cpu).
+    cmd = [sys.executable, "-m", CPU_FORK_SERVER if cpu and cfg.cpu_fork else "vllm.entrypoints.openai.api_server"]
     cmd += ["--model", cfg.model, "--host", cfg.host, "--port", str(cfg.port)]
     if cfg.served_model_name:
         cmd += ["--served-model-name", cfg.served_model_name]
@@ -88,10 +92,6 @@ def vllm_env(cfg: InferenceConfig, cpu: bool, inherited: Mapping[str, str] | Non
         env["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.kv_cache_gb)
         if cfg.cpu_threads_bind is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = cfg.cpu_threads_bind
-        if cfg.cpu_worker_in_engine:
-            # vLLM's CPU platform keeps its one-process executor only when multiprocessing is
-            # off; the engine itself still runs in a process of its own behind the API server
-            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     return env
 
 
