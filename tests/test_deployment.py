@@ -234,3 +234,16 @@ def test_gpus_index_the_ones_this_launcher_was_given(tmp_path, monkeypatch):
     specs = {s.name: s for s in specs_of(cfg, tmp_path, plan_single_node(cfg, gpus_available=8))}
     assert specs["inference-1"].env["CUDA_VISIBLE_DEVICES"] == "5"
     assert specs["trainer"].env["CUDA_VISIBLE_DEVICES"] == "11,13,15,17"
+
+
+def test_a_forked_vllm_worker_reads_the_binding_vllm_started_it_with():
+    """inference.vllm_cpu applies in a forked worker what a spawned worker's OpenMP runtime
+    reads from its environment: the thread count and the cores, in each of the three forms
+    vLLM writes them (GNU OpenMP, plain OpenMP, Intel OpenMP); nothing when vLLM bound nothing."""
+    from inference.vllm_cpu import omp_binding
+
+    assert omp_binding({"OMP_NUM_THREADS": "2", "GOMP_CPU_AFFINITY": "4 5"}) == (2, {4, 5})
+    assert omp_binding({"OMP_NUM_THREADS": "1", "OMP_PLACES": "{0}", "OMP_PROC_BIND": "true"}) == (1, {0})
+    assert omp_binding({"OMP_NUM_THREADS": "3", "KMP_AFFINITY": "granularity=fine,explicit,proclist=[1,2,3]"}) == (3, {1, 2, 3})
+    assert omp_binding({}) == (None, None)
+    assert omp_binding({"OMP_NUM_THREADS": "x", "GOMP_CPU_AFFINITY": "0-3"}) == (None, None)  # not vLLM's forms: left alone

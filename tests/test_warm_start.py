@@ -22,6 +22,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
+import psutil
 import pytest
 
 import prime_rl.cli
@@ -519,6 +520,13 @@ def test_two_runs_attach_to_one_warm_server_and_each_samples_its_own_weights(tmp
     try:
         out = wait_ready(server)
         assert state.is_file() and warm.read_state(state).pid == server.pid
+        # vLLM's worker, forked from its API server (inference.cpu_fork), keeps to the cores vLLM
+        # bound it to, as a spawned one does (unbound, it ran on every core beside the trainer)
+        (log,) = [p for p in tmp_path.rglob("*.log") if "core ids=" in p.read_text(errors="replace")]
+        cores = {int(c) for c in re.findall(r"core ids=\[([\d, ]+)\]", log.read_text())[-1].split(",")}
+        # by its title (vLLM's setproctitle overwrites the environment tagged_processes reads)
+        (worker,) = [p for p in psutil.Process(server.pid).children(recursive=True) if p.name().startswith("VLLM::Worker")]
+        assert worker.cpu_affinity() == sorted(cores), (worker.cpu_affinity(), cores)
         # no key was given: the server drew one, which only this user can read, and every route wants it
         key_file = Path(warm.read_state(state).key_file)
         assert "the servers require a drawn one" in out and key_file.stat().st_mode & 0o777 == 0o600

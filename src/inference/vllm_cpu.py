@@ -6,10 +6,14 @@ vLLM starts two processes behind its API server: the engine core, and the worker
 the model. Its CPU platform sets VLLM_WORKER_MULTIPROC_METHOD=spawn when it checks the config,
 so each of them starts a new interpreter that imports torch and vLLM again, one after the
 other: most of a start here. Forked, they begin with the API server's imports already done.
-Fork is vLLM's own default on GPUs (wherever CUDA is not initialized yet). Its hazard on a
-CPU would be an OpenMP runtime already running in the parent (its threads do not survive a
-fork); measured (docs/vllm_probe.md, "Fork"): healthy 9.8 s after the command instead of
-24.3 s, the same tokens and logprobs, the forked worker decoding as fast as a spawned one.
+Fork is vLLM's own default on GPUs (wherever CUDA is not initialized yet). On CPU, vLLM
+binds each worker's OpenMP threads to its cores through the environment it starts the worker
+with (OMP_NUM_THREADS and the affinity variables), which a new interpreter's OpenMP runtime
+reads when it loads; a forked worker's runtime was loaded long before, in the API server, so
+the worker applies that binding itself before it sets up its device
+(``bind_threads_as_spawned``). Unbound, it ran two threads on both cores beside the trainer:
+30% slower steps in the quickstart. Measured (docs/vllm_probe.md, "Fork"): healthy 9.8 s
+after the command instead of 24.3 s, the same tokens and logprobs.
 
 The launcher renders this command (``prime_rl.vllm_command``) when `inference.cpu_fork` is
 on (the default); `cpu_fork = false` starts vLLM's module unchanged.
@@ -41,8 +45,57 @@ def fork_engine_processes() -> None:
     CpuPlatform.check_and_update_config = classmethod(check_then_fork)
 
 
+def omp_binding(environ: dict[str, str]) -> tuple[int | None, set[int] | None]:
+    """The thread count and cores vLLM set for a worker's OpenMP runtime (``environ`` as the
+    worker was started with): OMP_NUM_THREADS, and the cores of GOMP_CPU_AFFINITY (`0 1`),
+    OMP_PLACES (`{0,1}`) or KMP_AFFINITY (`...,proclist=[0,1]`); None where unset."""
+    threads = int(environ["OMP_NUM_THREADS"]) if environ.get("OMP_NUM_THREADS", "").isdigit() else None
+    if environ.get("GOMP_CPU_AFFINITY"):
+        cores = environ["GOMP_CPU_AFFINITY"].split()
+    elif environ.get("OMP_PLACES", "").startswith("{"):
+        cores = environ["OMP_PLACES"].strip("{}").split(",")
+    elif "proclist=[" in environ.get("KMP_AFFINITY", ""):
+        cores = environ["KMP_AFFINITY"].split("proclist=[", 1)[1].split("]", 1)[0].split(",")
+    else:
+        cores = []
+    return threads, ({int(c) for c in cores} if cores and all(c.strip().isdigit() for c in cores) else None)
+
+
+def bind_threads_as_spawned() -> None:
+    """In a forked worker: the binding its OpenMP runtime would have read from the environment
+    at a spawned start. The process keeps to the cores (the OpenMP threads it starts inherit
+    them) and torch uses that many threads. The objects inherited from the API server leave
+    the garbage collector's generations (as vLLM's engine core does with its own after its
+    start): they are never freed here, and scanning them would cost every collection."""
+    import gc
+
+    import torch
+
+    gc.freeze()
+    threads, cores = omp_binding(dict(os.environ))
+    if cores is not None:
+        os.sched_setaffinity(0, cores)
+    if threads is not None:
+        torch.set_num_threads(threads)
+
+
+def bind_forked_workers() -> None:
+    """vLLM's CPU worker binds its threads (``bind_threads_as_spawned``) before it sets up its
+    device, where vLLM stops torch.set_num_threads from working."""
+    from vllm.v1.worker.cpu_worker import CPUWorker
+
+    init_device = CPUWorker.init_device
+
+    def bind_then_init_device(self) -> None:
+        bind_threads_as_spawned()
+        init_device(self)
+
+    CPUWorker.init_device = bind_then_init_device
+
+
 def main() -> None:
     fork_engine_processes()
+    bind_forked_workers()
     sys.argv = [VLLM_SERVER, *sys.argv[1:]]
     runpy.run_module(VLLM_SERVER, run_name="__main__", alter_sys=True)
 
