@@ -234,7 +234,10 @@ def test_failing_inference_exits_1_with_one_message(tmp_path, capsys, tiny_model
 
 def test_two_environments_mixed_3_to_1_with_their_own_metrics(tmp_path, tiny_model):
     """Weights 3:1 give 6 and 2 of every 8 examples, every step; each environment has its own
-    reward and metrics rows, and its samples are its own (short vs long texts)."""
+    reward and metrics rows, and its samples are its own (short vs long texts). Every step:
+    with `batching = "step"`, where each step samples its own groups. Continuous batching cuts
+    a step from the groups that complete first, so a step may hold 7 and 1 (seen once in 6
+    runs); its mix holds over the order the groups start in (tests/test_orchestrator_data.py)."""
     port = free_port()
     config = {
         "model": str(tiny_model),
@@ -249,6 +252,7 @@ def test_two_environments_mixed_3_to_1_with_their_own_metrics(tmp_path, tiny_mod
         "rollouts_per_example": 4,
         "max_steps": 2,
         "async_level": 1,
+        "batching": "step",
         "seq_len": 128,
         "output_dir": str(tmp_path),
     }
