@@ -165,11 +165,11 @@ def test_data_path_in_gsm8k_format(tmp_path):
     rows = [
         {"question": "Natalia sold clips to 48 friends in April, and half as many in May. How many in all?",
          "answer": "In May she sold 48/2 = <<48/2=24>>24 clips.\nIn all: 48+24 = <<48+24=72>>72 clips.\n#### 72"},
-        {"question": "A car costs 1200 dollars. How much?", "answer": "It costs 1,200.\n#### 1,200"},
+        {"question": "A car costs 1200 dollars.\u2028How much?", "answer": "It costs 1,200.\n#### 1,200"},
         *({"question": f"What is {i} + 1?", "answer": str(i + 1)} for i in range(8)),
     ]
-    path = tmp_path / "gsm8k.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    path = tmp_path / "gsm8k.jsonl"  # unescaped U+2028 in a value: a line separator to splitlines, not to JSONL
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
     env = load_environment(data_path=str(path))
     assert len(env.dataset) == 9 and len(env.eval_dataset) == 1  # a seeded 10% held out
     by_question = {e.prompt[1]["content"]: e for e in [*env.dataset, *env.eval_dataset]}

@@ -72,6 +72,18 @@ def stream_body(model, max_tokens, salt, prompt=PROMPT):
     }
 
 
+async def sse_lines(response):
+    """The lines of a server-sent event stream, split at "\\n" alone: httpx's ``aiter_lines`` also
+    splits at U+0085 and U+2028, which vLLM's JSON leaves unescaped inside a sampled token's text."""
+    rest = ""
+    async for text in response.aiter_text():
+        *lines, rest = (rest + text).split("\n")
+        for line in lines:
+            yield line.rstrip("\r")
+    if rest:
+        yield rest
+
+
 async def streamed_completion(http, model, max_tokens, salt, started: asyncio.Event, after_tokens: int, prompt=PROMPT,
                               ids=None):
     """(token ids, logprobs, tokens received before ``started`` was set) of one streamed
@@ -79,7 +91,7 @@ async def streamed_completion(http, model, max_tokens, salt, started: asyncio.Ev
     ids, logprobs, before = [] if ids is None else ids, [], None
     async with http.stream("POST", "/v1/completions", json=stream_body(model, max_tokens, salt, prompt)) as response:
         assert response.status_code == 200, await response.aread()
-        async for line in response.aiter_lines():
+        async for line in sse_lines(response):
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             choice = json.loads(line[6:])["choices"][0]

@@ -138,7 +138,7 @@ def next_token_query(ids: torch.Tensor, loss_mask: torch.Tensor) -> HeadQuery:
 def load_examples(path: Path, tokenizer, seq_len: int) -> list[Example]:
     """Tokenized chats with assistant masks, cut to seq_len; chats left with no target are dropped."""
     examples, dropped = [], 0
-    for lineno, line in enumerate(Path(path).read_text().splitlines(), start=1):
+    for lineno, line in enumerate(Path(path).read_text().split("\n"), start=1):
         if not line.strip():
             continue
         try:

@@ -92,7 +92,7 @@ def read_file(path: Path) -> list[dict[str, Any]]:
     suffix = path.suffix.lower()
     try:
         if suffix in (".jsonl", ".ndjson"):
-            return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+            return [json.loads(line) for line in path.read_text().split("\n") if line.strip()]
         if suffix == ".json":
             rows = json.loads(path.read_text())
             if not isinstance(rows, list):
