@@ -72,12 +72,6 @@ def tagged_processes(tag: str) -> list[tuple[int, str]]:
     return found
 
 
-SMALL_PREFLIGHT = "num_examples = 2\nrollouts_per_example = 2"
-"""The preflight of a test run: still run before the first step, but 4 rollouts, not the
-default 160 (4-5 s of a trio run here; no trio test asserts on its figures, which
-tests/test_orchestrator_main.py checks)."""
-
-
 def trio_toml(
     model: Path,
     run_dir: Path,
@@ -92,7 +86,7 @@ def trio_toml(
     seq_len: int = 96,
     max_tokens: int = 8,
     temperature: float = 1.0,
-    preflight: str = SMALL_PREFLIGHT,
+    preflight: str = "",
 ) -> str:
     """A tiny RL run: few short rollouts, free ports so tests never collide (two in a row:
     a second trainer rank or vLLM replica takes the next one), the `[preflight]` section

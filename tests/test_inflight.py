@@ -265,6 +265,7 @@ def test_the_filter_drops_groups_without_signal_up_to_its_cap():
         f = FilterConfig(enabled=True, max_extra_examples=1)
         cut = await pool.cut(0, stall, 5, f)
         assert examples(cut.groups) == [picks[1][1]]  # the first dropped, the second kept at the cap
+        assert examples(cut.judged) == [picks[0][1], picks[1][1]]  # what the preflight reads at step 0
         assert cut.filter_row["filter/extra_rollouts"] == N and cut.filter_row["filter/topped_up"] == 1
         assert cut.filter_row["filter/dropped_frac"] == 1.0  # both rejected, the topped-up one too
         await pool.close()

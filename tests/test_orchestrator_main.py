@@ -126,13 +126,12 @@ def test_resume_on_another_rank_count_repacks_the_recorded_batches(tmp_path, cap
 def test_two_steps_end_to_end(tmp_path, tiny_model, batching):
     """async_level=0 (on-policy): step 0 uses the initial model; step 1 must wait for
     weights/step_1, which this test (the trainer) writes only after receiving step 0's batch.
-    A preflight check runs first; eval runs every step and on the final weights. Both
+    The preflight checks step 0's groups; eval runs every step and on the final weights. Both
     schedules: the weight follower loads step_1 (continuous), or step 1's sync does (step)."""
     port = free_port()
     config = {
         "batching": batching,
         "model": str(tiny_model),
-        "preflight": {"num_examples": 2, "rollouts_per_example": 2},
         "eval": {"interval": 1, "num_examples": 3},
         "env": [{"id": "reverse-text", "args": {"num_examples": 50}}],
         "sampling": {"max_tokens": 16, "temperature": 0.8},
@@ -174,7 +173,9 @@ def test_two_steps_end_to_end(tmp_path, tiny_model, batching):
     assert server.loaded_weights == str((tmp_path / "weights" / "step_2").resolve())
     all_rows = read_jsonl(metrics_path(tmp_path))
     (preflight,) = [r for r in all_rows if r["process"] == "preflight"]
-    assert preflight["step"] == 0 and 0 < preflight["preflight/reverse-text/reward/mean"] < 1
+    step0 = next(r for r in all_rows if r["process"] == "orchestrator" and r.get("step") == 0 and "reward/mean" in r)
+    assert preflight["step"] == 0 and preflight["preflight/reverse-text/examples"] == 2  # step 0's groups, no others
+    assert preflight["preflight/reverse-text/reward/mean"] == pytest.approx(step0["reward/mean"])
     evals = [r for r in all_rows if r["process"] == "eval"]
     assert [(r["step"], r["eval/policy_version"]) for r in evals] == [(0, 0), (1, 1), (2, 2)]
     assert all(r["eval/reverse-text/examples"] == 3 and 0 <= r["eval/reward/mean"] <= 1 for r in evals)

@@ -82,6 +82,18 @@ def assert_trained_and_handed_off(run_dir) -> None:
     assert [r["step"] for r in trainer] == list(range(MAX_STEPS))
     assert trainer[0]["loss/mismatch_kl"] < 1e-3, trainer[0]
     assert (weights_step_dir(run_dir, MAX_STEPS) / MARKER).is_file()
+    assert_preflight_read_step_0(rows, groups_per_step=16 // 4)  # trio_toml's batch_size // rollouts_per_example
+
+
+def assert_preflight_read_step_0(rows: list[dict], groups_per_step: int) -> None:
+    """One preflight row, of step 0's own groups (their count and mean reward): the check
+    sampled nothing of its own, and step 0 was trained on once like every other step."""
+    (preflight,) = [r for r in rows if r["process"] == "preflight"]
+    step0 = next(r for r in rows if r["process"] == "orchestrator" and r.get("step") == 0 and "reward/mean" in r)
+    examples = [v for k, v in preflight.items() if k.endswith("/examples")]
+    means = [v for k, v in preflight.items() if k.endswith("/reward/mean")]
+    assert preflight["step"] == 0 and examples == [groups_per_step], preflight
+    assert means == [pytest.approx(step0["reward/mean"])], (preflight, step0)
 
 
 # --------------------------------------------------------------------------- tmux, multi-turn
@@ -242,8 +254,10 @@ def recorded_picks(run_dir, first_step: int) -> dict[int, list]:
 def assert_resumed_cleanly(run_dir, resume_step: int) -> None:
     rows = read_jsonl(metrics_path(run_dir))
     steps = list(range(RESUME_RUN["max_steps"]))
-    # Every step trained once and logged once, before and after the restart.
+    # Every step trained once and logged once, before and after the restart; the preflight
+    # read step 0's groups once, and the resume did not run it again.
     assert [r["step"] for r in rows if r["process"] == "trainer"] == steps
+    assert_preflight_read_step_0(rows, groups_per_step=RESUME_RUN["batch_size"] // RESUME_RUN["rollouts_per_example"])
     orchestrator = [r for r in rows if r["process"] == "orchestrator"]
     assert [r["step"] for r in orchestrator] == steps
     for row in orchestrator:

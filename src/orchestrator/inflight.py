@@ -99,6 +99,9 @@ class Cut:
     filter_row: dict[str, float | int]
     """The step's `filter/*` metrics (``StepFilter.row``)."""
 
+    judged: list[Group]
+    """Every group the step judged: its own and those its filter dropped, in judging order."""
+
 
 class GroupPool:
     def __init__(
@@ -148,6 +151,7 @@ class GroupPool:
         start = time.perf_counter()
         self._open(step)
         taken: list[Group] = []
+        judged: list[Group] = []
         judge = StepFilter(filter, self.n)
         stale = 0
         bound = step - self.async_level
@@ -156,6 +160,7 @@ class GroupPool:
             stale += self._drop_stale(step, bound)
             while len(taken) < self.k and (group := self._next_done(step, len(taken))) is not None:
                 self._done.remove(group)
+                judged.append(group)
                 if judge.takes([r.reward for _, r in group.rollouts]):
                     taken.append(group)
             if len(taken) == self.k:
@@ -168,7 +173,7 @@ class GroupPool:
         self._admit(step + 1, 0)  # keep generating while the trainer trains this step (not past the horizon)
         now = time.perf_counter()
         span, self._last_cut = now - (start if self.one_step else self._last_cut), now
-        return Cut(taken, stale, now - start, len(self._in_flight), span, judge.row())
+        return Cut(taken, stale, now - start, len(self._in_flight), span, judge.row(), judged)
 
     def fill(self, next_step: int) -> None:
         """Start as many groups as the slots and the async bound allow for ``next_step`` on

@@ -2,8 +2,7 @@
 
     python -m orchestrator.main --config RUN/configs/orchestrator.json [--dotted.flags]
 
-Before the first step of a fresh run, a preflight check of the task's difficulty
-(`orchestrator.preflight`). Per step n (0..max_steps-1), top to bottom:
+Per step n (0..max_steps-1), top to bottom:
   (a)-(d) the step's groups, cut from one pool of groups in flight (`orchestrator.inflight`)
       on either of two schedules (`batching`):
       continuous (the default): groups stay in flight across step boundaries, up to
@@ -22,6 +21,8 @@ Before the first step of a fresh run, a preflight check of the task's difficulty
         groups all start at once and are taken in start order.
       Either way, with `[orchestrator.filter]`, groups that teach nothing are dropped and
       replaced (`orchestrator.filtering`);
+  (d') step 0 of a fresh run: the preflight check of the task's difficulty reads the step's
+      groups, sampled by the starting model (`orchestrator.preflight`);
   (e) advantages within each example's group of rollouts;
   (e') with a distillation teacher, its logprob of every sampled token;
   (f) pack one batch per trainer rank, record it, send it;
@@ -349,6 +350,9 @@ class StepBatch:
     cursor: Cursor
     """Where sampling stands after the step."""
 
+    judged: list[Group] = field(default_factory=list)
+    """Every group the step judged: ``groups`` and those its filter dropped."""
+
     eval_row: dict | None = None
     """The evaluation that ran before the step (`eval.interval`)."""
 
@@ -378,6 +382,7 @@ async def step_batch(step: int, envs, sampler: TokenSampler, cfg: OrchestratorCo
         rate_s=cut.span_s,
         row={**cut.filter_row, "batch/stale_groups_dropped": cut.stale, "batch/groups_in_flight": cut.in_flight},
         cursor=Cursor(pool.order.state_dict(), pool.pending()),
+        judged=cut.judged,
         eval_row=eval_row,
     )
 
@@ -425,15 +430,17 @@ async def run(cfg: OrchestratorConfig, envs: list[tuple[str, Environment]], toke
             start, version, cursor = resume(cfg, data, order, sender, metrics)
         startup_row = await prepare_servers(cfg, client, teacher, tokenizer, version, hb)
         generation = start_generation(cfg, envs, order, sampler, client, cursor.pending)
-        generation.pool.fill(start)  # continuous: the first groups sample while the preflight runs (off the critical path)
-        if start == 0 and cfg.preflight.enabled:
-            metrics.log(0, await preflight(dict(envs), sampler, cfg.preflight, cfg.seed, log), process="preflight")
+        generation.pool.fill(start)  # continuous: the first groups sample while the trainer starts
         for step in range(start, cfg.max_steps):
             step_start = time.perf_counter()
             # (a)-(d): the policy synced, evaluation on its interval, the step's groups
             batch = await step_batch(step, envs, sampler, cfg, client, generation, hb)
             if batch.eval_row is not None:
                 metrics.log(step, batch.eval_row, process="eval")
+            # (d') a fresh run's first groups, sampled by the starting model, are the preflight's sample
+            if step == 0 and cfg.preflight.enabled:
+                checked = [(envs[group.pick[0]][0], [r for _, r in group.rollouts]) for group in batch.judged]
+                metrics.log(0, preflight(checked, [name for name, _ in envs], cfg.preflight, log), process="preflight")
             # (e) advantages within each example's group, and the teacher's scores
             items, teacher_row = await score_step(batch, cfg, step, teacher, hb)
             # (f) one batch per trainer rank, recorded (for a resume) before it is sent

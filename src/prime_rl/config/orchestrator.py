@@ -13,16 +13,21 @@ from prime_rl.config.shared import CheckpointConfig, ClientConfig, EnvConfig, MA
 
 
 class PreflightConfig(StrictModel):
-    """Before RL, a few rollouts of the starting model on a sample of examples, to catch a task that is too hard or too easy."""
+    """Before RL trains, a check of the first step's groups (sampled by the starting model), to catch a task that is too hard or too easy."""
 
     enabled: bool = True
-    """Run the preflight check before the first step of a fresh run (a resumed run skips it)."""
+    """Check the first step's groups of a fresh run (a resumed run skips it)."""
 
-    num_examples: int = Field(16, ge=1)
-    """Examples sampled per environment."""
-
-    rollouts_per_example: int = Field(10, ge=1)
-    """Attempts per example (the rule of thumb: 0% after 10+ attempts means too hard)."""
+    @model_validator(mode="before")
+    @classmethod
+    def _removed_keys(cls, data):
+        removed = sorted({"num_examples", "rollouts_per_example"} & set(data)) if isinstance(data, dict) else []
+        if removed:
+            raise ValueError(
+                f"preflight.{removed[0]} is gone: the preflight now checks the first step's groups "
+                "(batch_size / rollouts_per_example examples x rollouts_per_example attempts); remove the key"
+            )
+        return data
 
     too_hard_frac: float = Field(0.5, ge=0, le=1)
     """Advise when more than this share of examples scored 0 on every attempt."""
