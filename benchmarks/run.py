@@ -316,7 +316,9 @@ def plot_rewards(series: dict[str, list[tuple[list[float], list[float]]]], path:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    for (label, runs), color in zip(series.items(), ("tab:blue", "tab:orange", "tab:green", "tab:grey")):
+    colors = ("tab:blue", "tab:orange", "tab:green", "tab:grey", "tab:red", "tab:purple", "tab:brown", "tab:pink",
+              "tab:olive", "tab:cyan")
+    for (label, runs), color in zip(series.items(), colors, strict=False):
         for i, (times, rewards) in enumerate(runs):
             ax.plot(times, mean5(rewards), color=color, alpha=0.8, label=label if i == 0 else None)
     for target in targets:

@@ -1,0 +1,198 @@
+"""The recipe's knobs, one at a time against the shipped config, over seeds (issue 36, row 4).
+
+    uv run --group bench python -m benchmarks.ablations [--quick] [--repeats N]
+        [--only quickstart,alphabet-sort] [--variants shipped,lr=2e-3,...] [--resummarize]
+
+Each setting runs its shipped config (`shipped`) and one variant per knob, each changing one
+setting by a flag: `async_level` 0 and 2, the loss denominator (`all`: every loss token,
+against `informative`: those of samples with a nonzero advantage), advantages divided by
+their group's standard deviation, the importance correction (`none`, `truncated`,
+`sequence_mask`, against `token_mask`), and the learning rate (half and double). Repeat i of
+every variant runs with seed i (data order, the trainer's and vLLM's sampling), the
+variants alternating within each repeat so drift in the machine's speed hits all alike; all
+start from the same SFT'd model (``benchmarks.run.prepare_model``). Settings:
+
+- `quickstart`: `configs/reverse-text/rl.toml` (120 steps), the quickstart's model;
+- `alphabet-sort`: `configs/alphabet-sort/rl.toml` (multi-turn; 60 steps), on its SFT
+  warm-up (``benchmarks.batching``'s recipe).
+
+Per run, from the command's start (``benchmarks.run.figures``): the time and the steps to
+each target reward (first 5-step mean at or above it), the reward at wall-clock budgets, the
+reward of the first and last 5 steps and their gain, seconds per step, start-up. Each
+figure is the median over repeats with its range; ratios are each variant's median over
+the shipped one's. Writes `benchmarks/results/ablations-<setting>.json` (a quick run:
+`outputs/bench/results/`), a plot of every run's reward against wall-clock time, and
+regenerates RESULTS.md. What the shipped defaults are, and why, is docs/benchmarks.md's
+"The recipe".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+import tomllib
+from dataclasses import asdict, dataclass
+
+from benchmarks.batching import SETTINGS as BATCHING_SETTINGS
+from benchmarks.run import (
+    QUICKSTART, REPO, RESULTS, WORK, Curve, Mode, Recipe, figures, machine, plot_rewards, prepare_model, run_prime_rl,
+    spread, write_results_md,
+)
+
+VARIANTS: dict[str, tuple[str, ...]] = {
+    "shipped": (),
+    "async_level=0": ("--async-level", "0"),
+    "async_level=2": ("--async-level", "2"),
+    "denominator=all": ("--trainer.loss.denominator", "all"),
+    "normalize_std": ("--orchestrator.advantage.normalize-std", "true"),
+    "importance=none": ("--trainer.loss.importance", "none"),
+    "importance=truncated": ("--trainer.loss.importance", "truncated"),
+    "importance=sequence_mask": ("--trainer.loss.importance", "sequence_mask"),
+    "lr/2": (),  # filled per setting from its shipped lr (``lr_flags``)
+    "lr*2": (),
+}
+"""Each variant's flags over the shipped config."""
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    config: str
+    recipe: Recipe
+    full: Mode
+    quick: Mode
+    flags: tuple[str, ...] = ()
+    """Flags every variant of the setting runs with."""
+
+    @property
+    def lr(self) -> float:
+        """The shipped config's `trainer.optim.lr` (the lr variants halve and double it)."""
+        with open(REPO / self.config, "rb") as f:
+            return float(tomllib.load(f)["trainer"]["optim"]["lr"])
+
+
+FIGURES = ("reward_first5", "reward_last5", "gain", "startup_s", "s_per_step")
+SETTINGS = {
+    s.name: s
+    for s in (
+        Setting("quickstart", QUICKSTART.config, Recipe(),
+                full=Mode(steps=120, repeats=3, targets=(0.7, 0.75, 0.8, 0.85), budgets_s=(45.0, 90.0)),
+                quick=Mode(steps=8, repeats=1, targets=(0.65,), budgets_s=(30.0,), recipe=QUICKSTART.quick.recipe)),
+        Setting("alphabet-sort", "configs/alphabet-sort/rl.toml", BATCHING_SETTINGS["multi-turn"].recipe,
+                full=Mode(steps=60, repeats=3, targets=(0.3, 0.35, 0.4), budgets_s=(120.0, 240.0)),
+                quick=Mode(steps=4, repeats=1, targets=(0.3,), budgets_s=(60.0,), recipe=BATCHING_SETTINGS["multi-turn"].recipe),
+                flags=("--eval.interval", "0")),  # its evaluations would take a tenth of each run
+    )
+}
+
+
+def variant_flags(setting: Setting, variant: str) -> list[str]:
+    if variant == "lr/2":
+        return ["--trainer.optim.lr", f"{setting.lr / 2:g}"]
+    if variant == "lr*2":
+        return ["--trainer.optim.lr", f"{setting.lr * 2:g}"]
+    return list(VARIANTS[variant])
+
+
+def run_figures(curve: Curve, mode: Mode) -> dict[str, float | None]:
+    f = figures(curve, mode)
+    return {**f, "gain": f["reward_last5"] - f["reward_first5"]}
+
+
+def measure(setting: Setting, mode: Mode, variants: list[str], repeats: int, started: float) -> dict[str, list[Curve]]:
+    """Every variant ``repeats`` times (repeat i with seed i), the variants alternating within a repeat."""
+    model = prepare_model(mode.recipe)
+    print(f"[ablations] {setting.name}: model ready ({time.time() - started:.0f} s)", flush=True)
+    curves: dict[str, list[Curve]] = {v: [] for v in variants}
+    for i in range(repeats):
+        for v in variants:
+            out = WORK / "ablations" / setting.name / f"{v.replace('/', '_').replace('*', 'x')}-{i}"
+            flags = ["--max-steps", str(mode.steps), "--seed", str(i), *setting.flags, *variant_flags(setting, v)]
+            curves[v].append(run_prime_rl(setting.config, model, out, flags, system=v))
+            print(f"[ablations] {setting.name} {v} seed {i}: last5 {statistics.fmean(curves[v][-1].rewards[-5:]):.3f} "
+                  f"({time.time() - started:.0f} s)", flush=True)
+    return curves
+
+
+def summarize(curves: dict[str, list[Curve]], mode: Mode) -> dict:
+    per_variant = {v: {key: spread([run_figures(c, mode)[key] for c in runs]) for key in run_figures(runs[0], mode)}
+                   for v, runs in curves.items()}
+    shipped = per_variant["shipped"]
+    keys = [k for k in shipped if k.startswith(("time_to_", "steps_to_", "reward_at_"))] + ["gain", "s_per_step"]
+    ratios = {v: {k: (per_variant[v][k]["median"] / shipped[k]["median"]
+                      if per_variant[v][k]["median"] is not None and shipped[k]["median"] else None) for k in keys}
+              for v in per_variant if v != "shipped"}
+    return {"figures": per_variant, "ratios_to_shipped": ratios}
+
+
+def section(setting: Setting, mode: Mode, summary: dict, repeats: int) -> list[str]:
+    """RESULTS.md lines: one row a variant, the figures as median [range]."""
+    keys = [*(f"time_to_{t:g}_s" for t in mode.targets), *(f"steps_to_{t:g}" for t in mode.targets),
+            *(f"reward_at_{b:g}_s" for b in mode.budgets_s), *FIGURES]
+    lines = [f"`benchmarks/ablations.py`, {setting.name} (`{setting.config}`): {mode.steps} steps, {repeats} seed(s) a "
+             "variant, each variant one flag over the shipped config; median [min, max] over seeds, `n of m` where "
+             "some seeds never reached a level.", "",
+             "| variant | " + " | ".join(keys) + " |", "|---|" + "---|" * len(keys)]
+    for variant, figs in summary["figures"].items():
+        lines.append(f"| {variant} | " + " | ".join(_cell(figs[k]) for k in keys) + " |")
+    lines += ["", f"![{setting.name}: reward against wall-clock time, every seed of every variant]"
+                  f"(results/ablations-{setting.name}.png)", ""]
+    return lines
+
+
+def _cell(s: dict) -> str:
+    if s["n"] == 0:
+        return "-"
+    some = f" ({s['n']} of {s['of']})" if s["of"] > s["n"] else ""
+    if s["n"] == 1:
+        return f"{s['median']:.3g}{some}"
+    return f"{s['median']:.3g} [{s['min']:.3g}, {s['max']:.3g}]{some}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.ablations", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a smoke run: few steps, 1 seed, two variants")
+    parser.add_argument("--repeats", type=int, default=None, help="seeds per variant (default: the setting's)")
+    parser.add_argument("--only", default=",".join(SETTINGS), help=f"comma-separated settings (of {', '.join(SETTINGS)})")
+    parser.add_argument("--variants", default=None, help=f"comma-separated variants (default: all of {', '.join(VARIANTS)})")
+    parser.add_argument("--resummarize", action="store_true", help="recompute the figures, plots and RESULTS.md from stored curves")
+    args = parser.parse_args(argv)
+    names = [n.strip() for n in args.only.split(",") if n.strip()]
+    variants = [v.strip() for v in args.variants.split(",")] if args.variants else (
+        ["shipped", "lr*2"] if args.quick else list(VARIANTS))
+    for what, given, known in (("--only", names, SETTINGS), ("--variants", variants, VARIANTS)):
+        if unknown := [x for x in given if x not in known]:
+            parser.error(f"{what}: unknown {unknown}; expected some of {list(known)}")
+    if "shipped" not in variants:
+        parser.error("--variants: `shipped` is needed (every ratio is over it)")
+    results = WORK / "results" if args.quick else RESULTS
+    results.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    for name in names:
+        setting = SETTINGS[name]
+        mode = setting.quick if args.quick else setting.full
+        path = results / f"ablations-{name}.json"
+        if args.resummarize:
+            stored = json.loads(path.read_text())
+            curves = {v: [Curve(**c) for c in runs] for v, runs in stored["curves"].items()}
+            date = stored["date"]
+        else:
+            curves = measure(setting, mode, variants, args.repeats or mode.repeats, started)
+            date = time.strftime("%Y-%m-%d %H:%M")
+        repeats = len(curves["shipped"])
+        summary = summarize(curves, mode)
+        data = {"date": date, "mode": f"{'quick' if args.quick else 'full'}: {mode.steps} steps, {repeats} seed(s) a variant",
+                "machine": machine(), "lines": section(setting, mode, summary, repeats), **summary,
+                "curves": {v: [asdict(c) for c in runs] for v, runs in curves.items()}}
+        path.write_text(json.dumps(data, indent=1))
+        plot_rewards({v: [(c.times, c.rewards) for c in runs] for v, runs in curves.items()},
+                     results / f"ablations-{name}.png", mode.targets, title=f"{name}: one flag over the shipped config")
+        print("\n".join(data["lines"]), flush=True)
+    print(f"[ablations] {write_results_md(results)} ({time.time() - started:.0f} s in all)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
