@@ -385,7 +385,52 @@ def write_results_md(results: Path) -> Path:
         lines += ["", f"![reward against wall-clock time](results/{path.stem}.png)", ""]
     out = results.parent / "RESULTS.md"
     out.write_text("\n".join(lines))
+    if results == RESULTS:  # a full run's results: the figures README and docs quote, from the same files
+        for doc, link in QUOTED.items():
+            quote_quickstart(results, REPO / doc, link)
     return out
+
+
+QUOTED = {"README.md": "benchmarks/RESULTS.md", "docs/benchmarks.md": "../benchmarks/RESULTS.md"}
+"""Documents that quote the quickstart's figures, each with its link to RESULTS.md."""
+QUOTE_BEGIN = "<!-- quickstart figures: written by benchmarks.run from benchmarks/results/quickstart.json; do not edit -->"
+QUOTE_END = "<!-- end of the quickstart figures -->"
+QUOTE_ROWS = (
+    ("reward, first 5 steps", "reward_first5"), ("reward, last 5 steps", "reward_last5"),
+    ("time to a 5-step reward of 0.7 (s from the command)", "time_to_0.7_s"),
+    ("time to a 5-step reward of 0.8 (s)", "time_to_0.8_s"), ("steps to a 5-step reward of 0.7", "steps_to_0.7"),
+    ("start-up: the command to the first trained step (s)", "startup_s"), ("seconds per step", "s_per_step"),
+)
+
+
+def quote_quickstart(results: Path, doc: Path, link: str) -> None:
+    """Rewrite the block between ``QUOTE_BEGIN`` and ``QUOTE_END`` in ``doc`` with the
+    quickstart's medians and ranges (nothing when either marker or the results are missing)."""
+    path = results / "quickstart.json"
+    text = doc.read_text() if doc.is_file() else ""
+    if not path.is_file() or QUOTE_BEGIN not in text or QUOTE_END not in text:
+        return
+    data = json.loads(path.read_text())
+    figs, systems = data["figures"], [s for s in ("prime-rl", WARM, "trl") if s in data["figures"]]
+    names = {"prime-rl": "prime-rl", WARM: "prime-rl, warm server", "trl": "TRL's GRPOTrainer"}
+    runs = len(data["curves"]["prime-rl"])
+    steps = len(data["curves"]["prime-rl"][0]["rewards"])
+    lines = [QUOTE_BEGIN, f"The quickstart's RL over {runs} seeds ({steps} steps, {data['date'][:10]}; median [min, max], "
+             f"each seed's curve in [RESULTS.md]({link}#quickstart)):", "",
+             "| | " + " | ".join(names[s] for s in systems) + " |", "|---|" + "---|" * len(systems)]
+    lines += [f"| {label} | " + " | ".join(_cell(figs[s][key]) for s in systems) + " |"
+              for label, key in QUOTE_ROWS if key in figs[systems[0]]]  # the levels the results measured
+    gains = [statistics.median(last - first for first, last in zip(*_per_seed(data, s))) for s in systems]
+    lines += ["| gain, first 5 -> last 5 steps (median of the seeds') | " + " | ".join(f"{g:+.3f}" for g in gains) + " |",
+              QUOTE_END]
+    head, rest = text.split(QUOTE_BEGIN, 1)
+    doc.write_text(head + "\n".join(lines) + rest.split(QUOTE_END, 1)[1])
+
+
+def _per_seed(data: dict, system: str) -> tuple[list[float], list[float]]:
+    """Each seed's mean reward of the first and of the last 5 steps."""
+    curves = data["curves"][system]
+    return [statistics.fmean(c["rewards"][:5]) for c in curves], [statistics.fmean(c["rewards"][-5:]) for c in curves]
 
 
 def targets(results: Path) -> list[tuple[str, float | None, bool | None]]:

@@ -204,3 +204,61 @@ def test_the_warm_server_runs_get_ratios_of_their_own():
     assert ratios["s_per_step prime-rl/trl"] == pytest.approx(1.0)
     assert ratios[f"startup_s {bench.WARM}/trl"] == pytest.approx(2 / 5)
     assert ratios[f"s_per_step {bench.WARM}/trl"] == pytest.approx(0.5)
+
+
+def test_the_quoted_quickstart_figures_are_the_results_medians_and_nothing_else_changes(tmp_path):
+    """README and docs quote the quickstart from its results file (one source): the block
+    between the markers is rewritten, the text around it kept; no markers, no change."""
+    results = tmp_path / "results"
+    results.mkdir()
+    curves = {"prime-rl": [curve("prime-rl", [10, 11, 12, 13, 14, 15], [0.5, 0.5, 0.5, 0.5, 0.5, 0.9]),
+                           curve("prime-rl", [12, 13, 14, 15, 16, 17], [0.4, 0.4, 0.4, 0.4, 0.4, 0.9])],
+              "trl": [curve("trl", [5, 6, 7, 8, 9, 10], [0.4] * 6)] * 2}
+    data = {"date": "2026-12-04 12:00", **bench.summarize(curves, MODE),
+            "curves": {s: [bench.asdict(c) for c in runs] for s, runs in curves.items()}}
+    (results / "quickstart.json").write_text(json.dumps(data))
+    doc, untouched = tmp_path / "README.md", tmp_path / "other.md"
+    doc.write_text(f"before\n{bench.QUOTE_BEGIN}\nold figures\n{bench.QUOTE_END}\nafter\n")
+    untouched.write_text("no markers\n")
+    bench.quote_quickstart(results, doc, "benchmarks/RESULTS.md")
+    bench.quote_quickstart(results, untouched, "x")
+    text = doc.read_text()
+    assert text.startswith(f"before\n{bench.QUOTE_BEGIN}\nThe quickstart's RL over 2 seeds (6 steps, 2026-12-04;")
+    assert text.endswith(f"{bench.QUOTE_END}\nafter\n") and "old figures" not in text
+    # first 5: 0.5 and 0.4 (median 0.45); last 5: 0.58 and 0.5; startup 10 and 12
+    assert "| reward, first 5 steps | 0.45 [0.4, 0.5] | 0.4 [0.4, 0.4] |" in text
+    assert "| start-up: the command to the first trained step (s) | 11 [10, 12] | 5 [5, 5] |" in text
+    assert "| gain, first 5 -> last 5 steps (median of the seeds') | +0.090 | +0.000 |" in text
+    assert untouched.read_text() == "no markers\n"
+
+
+def test_each_ablation_variant_changes_one_setting_of_the_shipped_config():
+    from prime_rl.config import RLConfig
+    from prime_rl.launch.resolve import resolve
+    from prime_rl.settings import load_config
+
+    from benchmarks import ablations
+
+    setting = ablations.SETTINGS["quickstart"]
+    shipped = resolve(load_config(RLConfig, [REPO / setting.config], [])).model_dump()
+
+    def changed(variant):
+        cfg = resolve(load_config(RLConfig, [REPO / setting.config], ablations.variant_flags(setting, variant))).model_dump()
+        return {k for k in shipped if cfg[k] != shipped[k]}  # the processes' sections that differ
+
+    assert changed("shipped") == set()
+    assert changed("lr*2") == {"trainer"} and ablations.variant_flags(setting, "lr*2") == ["--trainer.optim.lr", "0.002"]
+    assert changed("normalize_std") == {"orchestrator"}
+    assert changed("importance=truncated") == {"trainer"} and changed("denominator=all") == {"trainer"}
+    assert "orchestrator" in changed("async_level=0")
+
+
+def test_ablation_ratios_are_over_the_shipped_variants_medians():
+    from benchmarks import ablations
+
+    mode = bench.Mode(steps=6, repeats=2, targets=(0.5,), budgets_s=(100.0,))
+    slow = [curve("shipped", [10, 12, 14, 16, 18, 20], [0.0, 0.0, 0.0, 0.0, 2.5, 0.5])] * 2  # 5-step mean 0.5 at t = 18
+    fast = [curve("lr*2", [10, 11, 12, 13, 14, 15], [2.5, 0.5, 0.5, 0.5, 0.5, 0.5])] * 2  # at t = 10
+    summary = ablations.summarize({"shipped": slow, "lr*2": fast}, mode)
+    assert summary["ratios_to_shipped"]["lr*2"]["time_to_0.5_s"] == pytest.approx(10 / 18)
+    assert summary["figures"]["lr*2"]["gain"]["median"] == pytest.approx(0.5 - 0.9)
