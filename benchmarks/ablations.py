@@ -37,7 +37,7 @@ from dataclasses import asdict, dataclass
 
 from benchmarks.batching import SETTINGS as BATCHING_SETTINGS
 from benchmarks.run import (
-    QUICKSTART, REPO, RESULTS, WORK, Curve, Mode, Recipe, figures, machine, plot_rewards, prepare_model, run_prime_rl,
+    QUICKSTART, REPO, RESULTS, WORK, Curve, Mode, Recipe, alternating, cell, figures, machine, plot_rewards, prepare_model, run_prime_rl,
     spread, write_results_md,
 )
 
@@ -105,15 +105,16 @@ def measure(setting: Setting, mode: Mode, variants: list[str], repeats: int, sta
     """Every variant ``repeats`` times (repeat i with seed i), the variants alternating within a repeat."""
     model = prepare_model(mode.recipe)
     print(f"[ablations] {setting.name}: model ready ({time.time() - started:.0f} s)", flush=True)
-    curves: dict[str, list[Curve]] = {v: [] for v in variants}
-    for i in range(repeats):
-        for v in variants:
-            out = WORK / "ablations" / setting.name / f"{v.replace('/', '_').replace('*', 'x')}-{i}"
-            flags = ["--max-steps", str(mode.steps), "--seed", str(i), *setting.flags, *variant_flags(setting, v)]
-            curves[v].append(run_prime_rl(setting.config, model, out, flags, system=v))
-            print(f"[ablations] {setting.name} {v} seed {i}: last5 {statistics.fmean(curves[v][-1].rewards[-5:]):.3f} "
-                  f"({time.time() - started:.0f} s)", flush=True)
-    return curves
+
+    def one(variant: str, seed: int) -> Curve:
+        out = WORK / "ablations" / setting.name / f"{variant.replace('/', '_').replace('*', 'x')}-{seed}"
+        flags = ["--max-steps", str(mode.steps), "--seed", str(seed), *setting.flags, *variant_flags(setting, variant)]
+        curve = run_prime_rl(setting.config, model, out, flags, system=variant)
+        print(f"[ablations] {setting.name} {variant} seed {seed}: last5 {statistics.fmean(curve.rewards[-5:]):.3f} "
+              f"({time.time() - started:.0f} s)", flush=True)
+        return curve
+
+    return alternating(variants, repeats, one)
 
 
 def summarize(curves: dict[str, list[Curve]], mode: Mode) -> dict:
@@ -136,19 +137,10 @@ def section(setting: Setting, mode: Mode, summary: dict, repeats: int) -> list[s
              "some seeds never reached a level.", "",
              "| variant | " + " | ".join(keys) + " |", "|---|" + "---|" * len(keys)]
     for variant, figs in summary["figures"].items():
-        lines.append(f"| {variant} | " + " | ".join(_cell(figs[k]) for k in keys) + " |")
+        lines.append(f"| {variant} | " + " | ".join(cell(figs[k], "-") for k in keys) + " |")
     lines += ["", f"![{setting.name}: reward against wall-clock time, every seed of every variant]"
                   f"(results/ablations-{setting.name}.png)", ""]
     return lines
-
-
-def _cell(s: dict) -> str:
-    if s["n"] == 0:
-        return "-"
-    some = f" ({s['n']} of {s['of']})" if s["of"] > s["n"] else ""
-    if s["n"] == 1:
-        return f"{s['median']:.3g}{some}"
-    return f"{s['median']:.3g} [{s['min']:.3g}, {s['max']:.3g}]{some}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.run import RESULTS, WORK, Recipe, machine, plot_rewards, prepare_model, run_prime_rl, write_results_md
+from benchmarks.run import RESULTS, WORK, Recipe, alternating, cell, machine, plot_rewards, prepare_model, run_prime_rl, spread, write_results_md
 
 ALPHABET_ARGS = ('{"min_turns": 2, "max_turns": 2, "min_names_per_turn": 1, "max_names_per_turn": 2, '
                  '"names_path": "configs/alphabet-sort/names.txt"}')
@@ -85,21 +85,25 @@ def run_figures(out: Path, t0_curve) -> dict[str, float | None]:
 def measure(setting: Setting, steps: int, repeats: int, started: float) -> dict:
     model = prepare_model(setting.recipe)
     print(f"[batching] {setting.name}: model ready ({time.time() - started:.0f} s)", flush=True)
-    runs: dict[str, list[dict]] = {mode: [] for mode in MODES}
-    for i in range(repeats):
-        for mode in MODES:
-            out = WORK / "batching" / setting.name / f"{mode}-{i}"
-            curve = run_prime_rl(setting.config, model, out, ["--max-steps", str(steps), "--orchestrator.batching", mode])
-            runs[mode].append({"figures": run_figures(out, curve), "times": curve.times, "rewards": curve.rewards})
-            print(f"[batching] {setting.name} {mode} {i + 1}/{repeats}: {runs[mode][-1]['figures']} "
-                  f"({time.time() - started:.0f} s)", flush=True)
+
+    def one(mode: str, seed: int) -> dict:
+        out = WORK / "batching" / setting.name / f"{mode}-{seed}"
+        curve = run_prime_rl(setting.config, model, out, ["--max-steps", str(steps), "--seed", str(seed),
+                                                          "--orchestrator.batching", mode])
+        run = {"figures": run_figures(out, curve), "times": curve.times, "rewards": curve.rewards}
+        print(f"[batching] {setting.name} {mode} seed {seed}: {run['figures']} ({time.time() - started:.0f} s)", flush=True)
+        return run
+
+    runs = alternating(list(MODES), repeats, one)
     medians = {mode: {key: median([r["figures"][key] for r in runs[mode]]) for key in runs[mode][0]["figures"]}
                for mode in MODES}
     ratios = {}
     for key in ("rollouts_per_s", "s_per_step", "trainer_idle_share"):
         a, b = medians["continuous"][key], medians["step"][key]
         ratios[f"{key} continuous/step"] = a / b if a and b else None
-    return {"steps": steps, "repeats": repeats, "medians": medians, "ratios": ratios, "runs": runs}
+    spreads = {mode: {key: spread([r["figures"][key] for r in runs[mode]]) for key in runs[mode][0]["figures"]}
+               for mode in MODES}
+    return {"steps": steps, "repeats": repeats, "medians": medians, "spreads": spreads, "ratios": ratios, "runs": runs}
 
 
 def median(values: list[float | None]) -> float | None:
@@ -116,12 +120,15 @@ def section(results: dict) -> list[str]:
     """RESULTS.md's lines for this part."""
     lines = ["Continuous batching (`orchestrator.batching = \"continuous\"`) against the step barrier (`\"step\"`), "
              "same config, model and async bound, alternating (`benchmarks/batching.py`); figures after the first "
-             "step, medians over repeats.", ""]
+             "step, medians over seeds (repeat i runs seed i: data order, trainer, vLLM's sampling).", ""]
     for name, result in results.items():
         keys = list(result["medians"]["continuous"])
-        lines += [f"**{name}** ({result['steps']} steps, {result['repeats']} repeat(s))", "",
+        lines += [f"**{name}** ({result['steps']} steps, {result['repeats']} seed(s))", "",
                   "| figure | continuous | step |", "|---|---|---|"]
-        lines += [f"| {k} | {fmt(result['medians']['continuous'][k])} | {fmt(result['medians']['step'][k])} |" for k in keys]
+        if "spreads" in result:  # median [min, max] over seeds
+            lines += [f"| {k} | {cell(result['spreads']['continuous'][k])} | {cell(result['spreads']['step'][k])} |" for k in keys]
+        else:
+            lines += [f"| {k} | {fmt(result['medians']['continuous'][k])} | {fmt(result['medians']['step'][k])} |" for k in keys]
         lines += ["", "| ratio | value |", "|---|---|"]
         lines += [f"| {k} | {fmt(v)} |" for k, v in result["ratios"].items()]
         lines += ["", f"![{name}: reward against wall-clock time](results/batching-{name}.png)", ""]
@@ -135,7 +142,7 @@ def fmt(v) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.batching", description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a smoke run: few steps, 1 repeat")
-    parser.add_argument("--repeats", type=int, default=None, help="repeats per mode (default 2, quick 1)")
+    parser.add_argument("--repeats", type=int, default=None, help="seeds per mode (default 3, quick 1): repeat i runs seed i")
     parser.add_argument("--only", default=",".join(SETTINGS), help=f"comma-separated regimes (default: {', '.join(SETTINGS)})")
     args = parser.parse_args(argv)
     names = [n.strip() for n in args.only.split(",") if n.strip()]
@@ -143,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--only: unknown regime(s) {unknown}; expected some of {list(SETTINGS)}")
     results_dir = WORK / "results" if args.quick else RESULTS
     results_dir.mkdir(parents=True, exist_ok=True)
-    repeats = args.repeats or (1 if args.quick else 2)
+    repeats = args.repeats or (1 if args.quick else 3)  # issue 36: 3 seeds a side
     started = time.time()
     previous = results_dir / "batching.json"
     results = json.loads(previous.read_text())["batching"] if previous.is_file() else {}  # regimes not rerun stay

@@ -54,12 +54,13 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from importlib.metadata import version
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, TypeVar
 
 from benchmarks import async_gain
 from benchmarks.loadgen import free_port
 from benchmarks.profile import CpuSampler, run_profile
 
+T = TypeVar("T")
 REPO = Path(__file__).resolve().parents[1]
 WORK = REPO / "outputs" / "bench"
 RESULTS = REPO / "benchmarks" / "results"
@@ -361,7 +362,7 @@ def write_results_md(results: Path) -> Path:
         systems = list(data["figures"])
         lines += ["| figure | " + " | ".join(systems) + " |", "|---|" + "---|" * len(systems)]
         for key in data["figures"][systems[0]]:
-            cells = [_cell(data["figures"][s][key]) for s in systems]
+            cells = [cell(data["figures"][s][key]) for s in systems]
             lines.append(f"| {key} | " + " | ".join(cells) + " |")
         lines += ["", "| ratio | value |", "|---|---|"]
         lines += [f"| {k} | {'-' if v is None else f'{v:.2f}'} |" for k, v in data["ratios"].items()]
@@ -369,7 +370,7 @@ def write_results_md(results: Path) -> Path:
             lines += ["", "Where prime-rl's time goes (`benchmarks/profile.py`): seconds per step of each phase, "
                       "cores busy per process in the steady state, start-up phases in seconds since the command.", "",
                       "| measure | value |", "|---|---|"]
-            lines += [f"| {k} | {_cell(v)} |" for k, v in data["profile"].items()]
+            lines += [f"| {k} | {cell(v)} |" for k, v in data["profile"].items()]
         if data.get("overheads"):
             lines += ["", "Overheads against their limits (`benchmarks/overheads.py`, `benchmarks/loadgen.py`; "
                       "run on the first repeat's recorded batches, each alone on the machine):", "",
@@ -418,7 +419,7 @@ def quote_quickstart(results: Path, doc: Path, link: str) -> None:
     lines = [QUOTE_BEGIN, f"The quickstart's RL over {runs} seeds ({steps} steps, {data['date'][:10]}; median [min, max], "
              f"each seed's curve in [RESULTS.md]({link}#quickstart)):", "",
              "| | " + " | ".join(names[s] for s in systems) + " |", "|---|" + "---|" * len(systems)]
-    lines += [f"| {label} | " + " | ".join(_cell(figs[s][key]) for s in systems) + " |"
+    lines += [f"| {label} | " + " | ".join(cell(figs[s][key]) for s in systems) + " |"
               for label, key in QUOTE_ROWS if key in figs[systems[0]]]  # the levels the results measured
     gains = [statistics.median(last - first for first, last in zip(*_per_seed(data, s))) for s in systems]
     lines += ["| gain, first 5 -> last 5 steps (median of the seeds') | " + " | ".join(f"{g:+.3f}" for g in gains) + " |",
@@ -501,13 +502,24 @@ def _num(v: float | None) -> str:
     return "-" if v is None else f"{v:.3g}"
 
 
-def _cell(s: dict) -> str:
+def cell(s: dict, missing: str = "not reached") -> str:
+    """A figure's median [min, max] over seeds, with how many seeds reached it when not all did."""
     if s["median"] is None:
-        return "not reached"
+        return missing
     some = f" ({s['n']} of {s['of']} reached)" if s.get("of", s["n"]) > s["n"] else ""
     if s["n"] == 1:
         return f"{s['median']:.3g}{some}"
     return f"{s['median']:.3g} [{s['min']:.3g}, {s['max']:.3g}]{some}"
+
+
+def alternating(names: list[str], repeats: int, one: Callable[[str, int], T]) -> dict[str, list[T]]:
+    """``one(name, i)`` for each name, ``repeats`` times (repeat i is seed i's), the names
+    alternating within each repeat so that drift in the machine's speed hits all alike."""
+    out: dict[str, list[T]] = {name: [] for name in names}
+    for i in range(repeats):
+        for name in names:
+            out[name].append(one(name, i))
+    return out
 
 
 def repeat_flags(steps: int, seed: int) -> list[str]:

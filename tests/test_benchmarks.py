@@ -57,7 +57,7 @@ def test_steps_to_a_reward_are_medians_over_seeds_with_their_range():
     assert summary["ratios"]["steps_to_0.5 prime-rl/trl"] == pytest.approx(2 / 5)
     assert summary["ratios"]["time_to_0.5_s prime-rl/trl"] == pytest.approx(11 / 9)
     one_of_three = {"prime-rl": [curve("prime-rl", [1, 2], [0.9, 0.9]), *[curve("prime-rl", [1, 2], [0.1, 0.1])] * 2]}
-    cell = bench._cell(bench.summarize({**one_of_three, "trl": curves["trl"]}, MODE)["figures"]["prime-rl"]["time_to_0.5_s"])
+    cell = bench.cell(bench.summarize({**one_of_three, "trl": curves["trl"]}, MODE)["figures"]["prime-rl"]["time_to_0.5_s"])
     assert cell == "1 (1 of 3 reached)"  # a median over the seeds that reached it says how many did
 
 
@@ -262,3 +262,21 @@ def test_ablation_ratios_are_over_the_shipped_variants_medians():
     summary = ablations.summarize({"shipped": slow, "lr*2": fast}, mode)
     assert summary["ratios_to_shipped"]["lr*2"]["time_to_0.5_s"] == pytest.approx(10 / 18)
     assert summary["figures"]["lr*2"]["gain"]["median"] == pytest.approx(0.5 - 0.9)
+
+
+def test_alternating_runs_seed_i_of_every_name_before_seed_i_plus_1():
+    calls = []
+    out = bench.alternating(["a", "b"], 3, lambda name, seed: calls.append((name, seed)) or f"{name}{seed}")
+    assert calls == [("a", 0), ("b", 0), ("a", 1), ("b", 1), ("a", 2), ("b", 2)]
+    assert out == {"a": ["a0", "a1", "a2"], "b": ["b0", "b1", "b2"]}
+
+
+def test_batching_section_shows_each_figure_over_seeds_with_its_range():
+    from benchmarks import batching
+
+    spreads = {mode: {"rollouts_per_s": bench.spread([9.0, 10.0, 12.0])} for mode in batching.MODES}
+    result = {"steps": 30, "repeats": 3, "medians": {m: {"rollouts_per_s": 10.0} for m in batching.MODES},
+              "spreads": spreads, "ratios": {"rollouts_per_s continuous/step": 1.0}}
+    lines = batching.section({"multi-turn": result})
+    assert "**multi-turn** (30 steps, 3 seed(s))" in lines
+    assert "| rollouts_per_s | 10 [9, 12] | 10 [9, 12] |" in lines
