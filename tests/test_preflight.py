@@ -69,7 +69,7 @@ def test_strict_makes_advice_an_error():
 
 @pytest.mark.parametrize("key", ["num_examples", "rollouts_per_example"])
 def test_the_removed_sample_settings_are_named_with_what_replaced_them(key):
-    with pytest.raises(ValidationError, match=f"preflight.{key} is gone: the preflight now checks the first step's groups"):
+    with pytest.raises(ValidationError, match=f"{key} is gone: the preflight now checks the first step.s groups"):
         PreflightConfig.model_validate({key: 4})
 
 
@@ -107,3 +107,15 @@ def test_summary_figures_by_hand():
     assert s["pass@4"] == pytest.approx((0 + 1 + 1) / 3)
     assert s["pass@2"] == pytest.approx((0 + 1 + pass_at_k(4, 1, 2)) / 3) and pass_at_k(4, 1, 2) == pytest.approx(0.5)
     assert "pass@1" not in summarize([group(0.5, 1)])  # not binary: no pass@k
+
+
+def test_a_config_with_a_removed_key_gets_one_line_naming_the_section(tmp_path):
+    from prime_rl.config import RLConfig
+    from prime_rl.settings import ConfigError, load_config
+
+    path = tmp_path / "run.toml"
+    path.write_text('model = "m"\n[preflight]\nrollouts_per_example = 10\n')
+    with pytest.raises(ConfigError) as e:
+        load_config(RLConfig, [path], [])
+    assert "preflight: rollouts_per_example is gone: the preflight now checks the first step's groups" in str(e.value)
+    assert len(str(e.value).splitlines()) == 1

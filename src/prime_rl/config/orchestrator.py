@@ -24,7 +24,7 @@ class PreflightConfig(StrictModel):
         removed = sorted({"num_examples", "rollouts_per_example"} & set(data)) if isinstance(data, dict) else []
         if removed:
             raise ValueError(
-                f"preflight.{removed[0]} is gone: the preflight now checks the first step's groups "
+                f"{removed[0]} is gone: the preflight now checks the first step's groups "
                 "(batch_size / rollouts_per_example examples x rollouts_per_example attempts); remove the key"
             )
         return data
