@@ -387,15 +387,13 @@ def write_results_md(results: Path) -> Path:
     out = results.parent / "RESULTS.md"
     out.write_text("\n".join(lines))
     if results == RESULTS:  # a full run's results: the figures README and docs quote, from the same files
-        for doc, link in QUOTED.items():
-            quote_quickstart(results, REPO / doc, link)
+        for doc, base in QUOTED.items():
+            quote_results(results, REPO / doc, base)
     return out
 
 
-QUOTED = {"README.md": "benchmarks/RESULTS.md", "docs/benchmarks.md": "../benchmarks/RESULTS.md"}
-"""Documents that quote the quickstart's figures, each with its link to RESULTS.md."""
-QUOTE_BEGIN = "<!-- quickstart figures: written by benchmarks.run from benchmarks/results/quickstart.json; do not edit -->"
-QUOTE_END = "<!-- end of the quickstart figures -->"
+QUOTED = {"README.md": "benchmarks/", "docs/benchmarks.md": "../benchmarks/"}
+"""Documents that quote benchmark results, each with its path to benchmarks/ (for links)."""
 QUOTE_ROWS = (
     ("reward, first 5 steps", "reward_first5"), ("reward, last 5 steps", "reward_last5"),
     ("time to a 5-step reward of 0.7 (s from the command)", "time_to_0.7_s"),
@@ -404,28 +402,43 @@ QUOTE_ROWS = (
 )
 
 
-def quote_quickstart(results: Path, doc: Path, link: str) -> None:
-    """Rewrite the block between ``QUOTE_BEGIN`` and ``QUOTE_END`` in ``doc`` with the
-    quickstart's medians and ranges (nothing when either marker or the results are missing)."""
-    path = results / "quickstart.json"
+def quote_markers(name: str) -> tuple[str, str]:
+    """The lines around a document's quote of ``results/<name>.json``."""
+    return (f"<!-- {name}: written by benchmarks.run from benchmarks/results/{name}.json; do not edit -->",
+            f"<!-- end of {name} -->")
+
+
+def quote_results(results: Path, doc: Path, base: str) -> None:
+    """Rewrite each quote block in ``doc`` (``quote_markers``) from its results file: the
+    quickstart's medians and ranges (``quickstart_quote``), or a part's own RESULTS.md lines
+    (an ablation's table). A block whose results file is missing stays as it is."""
     text = doc.read_text() if doc.is_file() else ""
-    if not path.is_file() or QUOTE_BEGIN not in text or QUOTE_END not in text:
-        return
-    data = json.loads(path.read_text())
+    for path in sorted(results.glob("*.json")):
+        begin, end = quote_markers(path.stem)
+        if begin not in text or end not in text:
+            continue
+        data = json.loads(path.read_text())
+        body = quickstart_quote(data, base) if path.stem == "quickstart" else data.get("lines", [])
+        body = [line.replace("](results/", f"]({base}results/") for line in body]  # links from the doc's folder
+        head, rest = text.split(begin, 1)
+        text = head + "\n".join([begin, *body, end]) + rest.split(end, 1)[1]
+    if doc.is_file() and text != doc.read_text():
+        doc.write_text(text)
+
+
+def quickstart_quote(data: dict, base: str) -> list[str]:
+    """The quickstart's figures of each system: median [min, max] over seeds."""
     figs, systems = data["figures"], [s for s in ("prime-rl", WARM, "trl") if s in data["figures"]]
     names = {"prime-rl": "prime-rl", WARM: "prime-rl, warm server", "trl": "TRL's GRPOTrainer"}
     runs = len(data["curves"]["prime-rl"])
     steps = len(data["curves"]["prime-rl"][0]["rewards"])
-    lines = [QUOTE_BEGIN, f"The quickstart's RL over {runs} seeds ({steps} steps, {data['date'][:10]}; median [min, max], "
-             f"each seed's curve in [RESULTS.md]({link}#quickstart)):", "",
+    lines = [f"The quickstart's RL over {runs} seeds ({steps} steps, {data['date'][:10]}; median [min, max], "
+             f"each seed's curve in [RESULTS.md]({base}RESULTS.md#quickstart)):", "",
              "| | " + " | ".join(names[s] for s in systems) + " |", "|---|" + "---|" * len(systems)]
     lines += [f"| {label} | " + " | ".join(cell(figs[s][key]) for s in systems) + " |"
               for label, key in QUOTE_ROWS if key in figs[systems[0]]]  # the levels the results measured
     gains = [statistics.median(last - first for first, last in zip(*_per_seed(data, s))) for s in systems]
-    lines += ["| gain, first 5 -> last 5 steps (median of the seeds') | " + " | ".join(f"{g:+.3f}" for g in gains) + " |",
-              QUOTE_END]
-    head, rest = text.split(QUOTE_BEGIN, 1)
-    doc.write_text(head + "\n".join(lines) + rest.split(QUOTE_END, 1)[1])
+    return lines + ["| gain, first 5 -> last 5 steps (median of the seeds') | " + " | ".join(f"{g:+.3f}" for g in gains) + " |"]
 
 
 def _per_seed(data: dict, system: str) -> tuple[list[float], list[float]]:

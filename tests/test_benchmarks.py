@@ -207,8 +207,9 @@ def test_the_warm_server_runs_get_ratios_of_their_own():
 
 
 def test_the_quoted_quickstart_figures_are_the_results_medians_and_nothing_else_changes(tmp_path):
-    """README and docs quote the quickstart from its results file (one source): the block
-    between the markers is rewritten, the text around it kept; no markers, no change."""
+    """README and docs quote results files (one source): each block between its markers is
+    rewritten (the quickstart's medians, an ablation's table), the text around it kept;
+    no markers, no change."""
     results = tmp_path / "results"
     results.mkdir()
     curves = {"prime-rl": [curve("prime-rl", [10, 11, 12, 13, 14, 15], [0.5, 0.5, 0.5, 0.5, 0.5, 0.9]),
@@ -217,14 +218,18 @@ def test_the_quoted_quickstart_figures_are_the_results_medians_and_nothing_else_
     data = {"date": "2026-12-04 12:00", **bench.summarize(curves, MODE),
             "curves": {s: [bench.asdict(c) for c in runs] for s, runs in curves.items()}}
     (results / "quickstart.json").write_text(json.dumps(data))
+    (results / "ablations-quickstart.json").write_text(json.dumps({"lines": ["| a | b |", "![plot](results/x.png)"]}))
+    begin, end = bench.quote_markers("quickstart")
+    ablation_begin, ablation_end = bench.quote_markers("ablations-quickstart")
     doc, untouched = tmp_path / "README.md", tmp_path / "other.md"
-    doc.write_text(f"before\n{bench.QUOTE_BEGIN}\nold figures\n{bench.QUOTE_END}\nafter\n")
+    doc.write_text(f"before\n{begin}\nold figures\n{end}\nbetween\n{ablation_begin}\nold\n{ablation_end}\nafter\n")
     untouched.write_text("no markers\n")
-    bench.quote_quickstart(results, doc, "benchmarks/RESULTS.md")
-    bench.quote_quickstart(results, untouched, "x")
+    bench.quote_results(results, doc, "../benchmarks/")
+    bench.quote_results(results, untouched, "x")
     text = doc.read_text()
-    assert text.startswith(f"before\n{bench.QUOTE_BEGIN}\nThe quickstart's RL over 2 seeds (6 steps, 2026-12-04;")
-    assert text.endswith(f"{bench.QUOTE_END}\nafter\n") and "old figures" not in text
+    assert text.startswith(f"before\n{begin}\nThe quickstart's RL over 2 seeds (6 steps, 2026-12-04;")
+    assert "[RESULTS.md](../benchmarks/RESULTS.md#quickstart)" in text and "old figures" not in text
+    assert text.endswith(f"{end}\nbetween\n{ablation_begin}\n| a | b |\n![plot](../benchmarks/results/x.png)\n{ablation_end}\nafter\n")
     # first 5: 0.5 and 0.4 (median 0.45); last 5: 0.58 and 0.5; startup 10 and 12
     assert "| reward, first 5 steps | 0.45 [0.4, 0.5] | 0.4 [0.4, 0.4] |" in text
     assert "| start-up: the command to the first trained step (s) | 11 [10, 12] | 5 [5, 5] |" in text
