@@ -20,7 +20,8 @@ Per run, from the command's start (``benchmarks.run.figures``): the time and the
 each target reward (first 5-step mean at or above it), the reward at wall-clock budgets, the
 reward of the first and last 5 steps and their gain, seconds per step, start-up. Each
 figure is the median over repeats with its range; ratios are each variant's median over
-the shipped one's. Writes `benchmarks/results/ablations-<setting>.json` (a quick run:
+the shipped one's. Writes `benchmarks/results/ablations-<setting>.json` (with `--label L`,
+`ablations-<setting>-L.json`, for a follow-up of a few variants; a quick run:
 `outputs/bench/results/`), a plot of every run's reward against wall-clock time, and
 regenerates RESULTS.md. What the shipped defaults are, and why, is docs/benchmarks.md's
 "The recipe".
@@ -128,7 +129,7 @@ def summarize(curves: dict[str, list[Curve]], mode: Mode) -> dict:
     return {"figures": per_variant, "ratios_to_shipped": ratios}
 
 
-def section(setting: Setting, mode: Mode, summary: dict, repeats: int) -> list[str]:
+def section(setting: Setting, mode: Mode, summary: dict, repeats: int, stem: str) -> list[str]:
     """RESULTS.md lines: one row a variant, the figures as median [range]."""
     keys = [*(f"time_to_{t:g}_s" for t in mode.targets), *(f"steps_to_{t:g}" for t in mode.targets),
             *(f"reward_at_{b:g}_s" for b in mode.budgets_s), *FIGURES]
@@ -139,7 +140,7 @@ def section(setting: Setting, mode: Mode, summary: dict, repeats: int) -> list[s
     for variant, figs in summary["figures"].items():
         lines.append(f"| {variant} | " + " | ".join(cell(figs[k], "-") for k in keys) + " |")
     lines += ["", f"![{setting.name}: reward against wall-clock time, every seed of every variant]"
-                  f"(results/ablations-{setting.name}.png)", ""]
+                  f"(results/{stem}.png)", ""]
     return lines
 
 
@@ -149,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=None, help="seeds per variant (default: the setting's)")
     parser.add_argument("--only", default=",".join(SETTINGS), help=f"comma-separated settings (of {', '.join(SETTINGS)})")
     parser.add_argument("--variants", default=None, help=f"comma-separated variants (default: all of {', '.join(VARIANTS)})")
+    parser.add_argument("--label", default="", help="a name for a follow-up run (results/ablations-SETTING-LABEL.json), "
+                        "which leaves the setting's main results as they are")
     parser.add_argument("--resummarize", action="store_true", help="recompute the figures, plots and RESULTS.md from stored curves")
     args = parser.parse_args(argv)
     names = [n.strip() for n in args.only.split(",") if n.strip()]
@@ -165,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         setting = SETTINGS[name]
         mode = setting.quick if args.quick else setting.full
-        path = results / f"ablations-{name}.json"
+        stem = f"ablations-{name}" + (f"-{args.label}" if args.label else "")
+        path = results / f"{stem}.json"
         if args.resummarize:
             stored = json.loads(path.read_text())
             curves = {v: [Curve(**c) for c in runs] for v, runs in stored["curves"].items()}
@@ -176,11 +180,11 @@ def main(argv: list[str] | None = None) -> int:
         repeats = len(curves["shipped"])
         summary = summarize(curves, mode)
         data = {"date": date, "mode": f"{'quick' if args.quick else 'full'}: {mode.steps} steps, {repeats} seed(s) a variant",
-                "machine": machine(), "lines": section(setting, mode, summary, repeats), **summary,
+                "machine": machine(), "lines": section(setting, mode, summary, repeats, stem), **summary,
                 "curves": {v: [asdict(c) for c in runs] for v, runs in curves.items()}}
         path.write_text(json.dumps(data, indent=1))
         plot_rewards({v: [(c.times, c.rewards) for c in runs] for v, runs in curves.items()},
-                     results / f"ablations-{name}.png", mode.targets, title=f"{name}: one flag over the shipped config")
+                     results / f"{stem}.png", mode.targets, title=f"{name}: one flag over the shipped config")
         print("\n".join(data["lines"]), flush=True)
     print(f"[ablations] {write_results_md(results)} ({time.time() - started:.0f} s in all)")
     return 0
