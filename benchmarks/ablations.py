@@ -102,8 +102,9 @@ def run_figures(curve: Curve, mode: Mode) -> dict[str, float | None]:
     return {**f, "gain": f["reward_last5"] - f["reward_first5"]}
 
 
-def measure(setting: Setting, mode: Mode, variants: list[str], repeats: int, started: float) -> dict[str, list[Curve]]:
-    """Every variant ``repeats`` times (repeat i with seed i), the variants alternating within a repeat."""
+def measure(setting: Setting, mode: Mode, variants: list[str], repeats: int, started: float,
+            first_seed: int = 0) -> dict[str, list[Curve]]:
+    """Every variant ``repeats`` times (seeds from ``first_seed``), the variants alternating within a repeat."""
     model = prepare_model(mode.recipe)
     print(f"[ablations] {setting.name}: model ready ({time.time() - started:.0f} s)", flush=True)
 
@@ -115,7 +116,7 @@ def measure(setting: Setting, mode: Mode, variants: list[str], repeats: int, sta
               f"({time.time() - started:.0f} s)", flush=True)
         return curve
 
-    return alternating(variants, repeats, one)
+    return alternating(variants, repeats, one, first_seed)
 
 
 def summarize(curves: dict[str, list[Curve]], mode: Mode) -> dict:
@@ -129,11 +130,11 @@ def summarize(curves: dict[str, list[Curve]], mode: Mode) -> dict:
     return {"figures": per_variant, "ratios_to_shipped": ratios}
 
 
-def section(setting: Setting, mode: Mode, summary: dict, repeats: int, stem: str) -> list[str]:
+def section(setting: Setting, mode: Mode, summary: dict, seeds: str, stem: str) -> list[str]:
     """RESULTS.md lines: one row a variant, the figures as median [range]."""
     keys = [*(f"time_to_{t:g}_s" for t in mode.targets), *(f"steps_to_{t:g}" for t in mode.targets),
             *(f"reward_at_{b:g}_s" for b in mode.budgets_s), *FIGURES]
-    lines = [f"`benchmarks/ablations.py`, {setting.name} (`{setting.config}`): {mode.steps} steps, {repeats} seed(s) a "
+    lines = [f"`benchmarks/ablations.py`, {setting.name} (`{setting.config}`): {mode.steps} steps, {seeds} a "
              "variant, each variant one flag over the shipped config; median [min, max] over seeds, `n of m` where "
              "some seeds never reached a level.", "",
              "| variant | " + " | ".join(keys) + " |", "|---|" + "---|" * len(keys)]
@@ -150,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=None, help="seeds per variant (default: the setting's)")
     parser.add_argument("--only", default=",".join(SETTINGS), help=f"comma-separated settings (of {', '.join(SETTINGS)})")
     parser.add_argument("--variants", default=None, help=f"comma-separated variants (default: all of {', '.join(VARIANTS)})")
+    parser.add_argument("--first-seed", type=int, default=0, help="the first repeat's seed (a follow-up adds seeds)")
     parser.add_argument("--label", default="", help="a name for a follow-up run (results/ablations-SETTING-LABEL.json), "
                         "which leaves the setting's main results as they are")
     parser.add_argument("--resummarize", action="store_true", help="recompute the figures, plots and RESULTS.md from stored curves")
@@ -173,14 +175,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.resummarize:
             stored = json.loads(path.read_text())
             curves = {v: [Curve(**c) for c in runs] for v, runs in stored["curves"].items()}
-            date = stored["date"]
+            date, first = stored["date"], stored.get("first_seed", 0)
         else:
-            curves = measure(setting, mode, variants, args.repeats or mode.repeats, started)
-            date = time.strftime("%Y-%m-%d %H:%M")
+            curves = measure(setting, mode, variants, args.repeats or mode.repeats, started, args.first_seed)
+            date, first = time.strftime("%Y-%m-%d %H:%M"), args.first_seed
         repeats = len(curves["shipped"])
+        seeds = f"seed {first}" if repeats == 1 else f"seeds {first}-{first + repeats - 1}"
         summary = summarize(curves, mode)
-        data = {"date": date, "mode": f"{'quick' if args.quick else 'full'}: {mode.steps} steps, {repeats} seed(s) a variant",
-                "machine": machine(), "lines": section(setting, mode, summary, repeats, stem), **summary,
+        data = {"date": date, "mode": f"{'quick' if args.quick else 'full'}: {mode.steps} steps, {seeds} a variant",
+                "machine": machine(), "first_seed": first, "lines": section(setting, mode, summary, seeds, stem), **summary,
                 "curves": {v: [asdict(c) for c in runs] for v, runs in curves.items()}}
         path.write_text(json.dumps(data, indent=1))
         plot_rewards({v: [(c.times, c.rewards) for c in runs] for v, runs in curves.items()},

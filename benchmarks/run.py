@@ -525,11 +525,12 @@ def cell(s: dict, missing: str = "not reached") -> str:
     return f"{s['median']:.3g} [{s['min']:.3g}, {s['max']:.3g}]{some}"
 
 
-def alternating(names: list[str], repeats: int, one: Callable[[str, int], T]) -> dict[str, list[T]]:
-    """``one(name, i)`` for each name, ``repeats`` times (repeat i is seed i's), the names
-    alternating within each repeat so that drift in the machine's speed hits all alike."""
+def alternating(names: list[str], repeats: int, one: Callable[[str, int], T], first_seed: int = 0) -> dict[str, list[T]]:
+    """``one(name, seed)`` for each name, ``repeats`` times (seeds ``first_seed``, ``first_seed``
+    + 1, ...), the names alternating within each repeat so that drift in the machine's speed
+    hits all alike."""
     out: dict[str, list[T]] = {name: [] for name in names}
-    for i in range(repeats):
+    for i in range(first_seed, first_seed + repeats):
         for name in names:
             out[name].append(one(name, i))
     return out
