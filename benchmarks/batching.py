@@ -95,20 +95,14 @@ def measure(setting: Setting, steps: int, repeats: int, started: float) -> dict:
         return run
 
     runs = alternating(list(MODES), repeats, one)
-    medians = {mode: {key: median([r["figures"][key] for r in runs[mode]]) for key in runs[mode][0]["figures"]}
+    spreads = {mode: {key: spread([r["figures"][key] for r in runs[mode]]) for key in runs[mode][0]["figures"]}
                for mode in MODES}
+    medians = {mode: {key: s["median"] for key, s in spreads[mode].items()} for mode in MODES}
     ratios = {}
     for key in ("rollouts_per_s", "s_per_step", "trainer_idle_share"):
         a, b = medians["continuous"][key], medians["step"][key]
         ratios[f"{key} continuous/step"] = a / b if a and b else None
-    spreads = {mode: {key: spread([r["figures"][key] for r in runs[mode]]) for key in runs[mode][0]["figures"]}
-               for mode in MODES}
     return {"steps": steps, "repeats": repeats, "medians": medians, "spreads": spreads, "ratios": ratios, "runs": runs}
-
-
-def median(values: list[float | None]) -> float | None:
-    values = [v for v in values if v is not None]
-    return statistics.median(values) if values else None
 
 
 def plot(name: str, result: dict, path: Path) -> None:

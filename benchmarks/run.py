@@ -412,7 +412,7 @@ def quote_results(results: Path, doc: Path, base: str) -> None:
     """Rewrite each quote block in ``doc`` (``quote_markers``) from its results file: the
     quickstart's medians and ranges (``quickstart_quote``), or a part's own RESULTS.md lines
     (an ablation's table). A block whose results file is missing stays as it is."""
-    text = doc.read_text() if doc.is_file() else ""
+    text = original = doc.read_text() if doc.is_file() else ""
     for path in sorted(results.glob("*.json")):
         begin, end = quote_markers(path.stem)
         if begin not in text or end not in text:
@@ -422,7 +422,7 @@ def quote_results(results: Path, doc: Path, base: str) -> None:
         body = [line.replace("](results/", f"]({base}results/") for line in body]  # links from the doc's folder
         head, rest = text.split(begin, 1)
         text = head + "\n".join([begin, *body, end]) + rest.split(end, 1)[1]
-    if doc.is_file() and text != doc.read_text():
+    if text != original:
         doc.write_text(text)
 
 
