@@ -4,7 +4,8 @@
 
 For three model sizes (Qwen3 architecture, random weights, no download: ~4M, ~30M and
 ~130M parameters) at two sequence lengths, with and without activation checkpointing, one
-fresh process runs one real trainer step (``trainer.rl.train_step``: the token-budget
+fresh process (forked from one that imported torch and the trainer, so each point does not
+pay ~5 s of imports) runs one real trainer step (``trainer.rl.train_step``: the token-budget
 micro-batches, the ``TokenHead``, the policy loss, backward, AdamW) on a micro-batch of
 4 packed samples that fill the sequence length, after a warm-up step that gives AdamW its
 state. Measured: the process's peak resident memory during that step (``VmHWM`` after
@@ -50,15 +51,59 @@ SAMPLES = 4
 """Samples per micro-batch: each a quarter of the sequence length, a 1:3 prompt:completion split."""
 
 
-def measure(size: dict, seq_len: int, checkpointing: bool, dtype: str = "float32", threads: int = 2) -> dict:
-    """Run one measurement in a fresh process (``--measure``); returns its JSON row."""
-    spec = json.dumps({"size": size, "seq_len": seq_len, "checkpointing": checkpointing, "dtype": dtype, "threads": threads})
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(REPO / "src")}
-    done = subprocess.run([sys.executable, "-m", "benchmarks.memory", "--measure", spec], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=1800)
+def spec(size: dict, seq_len: int, checkpointing: bool, dtype: str = "float32", threads: int = 2) -> dict:
+    """One measurement's point, as ``measure`` and ``run_one`` take it."""
+    return {"size": size, "seq_len": seq_len, "checkpointing": checkpointing, "dtype": dtype, "threads": threads}
+
+
+def measure(specs: list[dict]) -> list[dict]:
+    """Run each point in a fresh process of its own (``--measure``: a child that imports once
+    and forks one process per point; see ``run_forked``); returns their JSON rows in order."""
+    threads = {s["threads"] for s in specs}
+    if len(threads) != 1:
+        raise ValueError(f"one thread count per call, got {sorted(threads)}")
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": str(threads.pop()),
+           "PYTHONPATH": str(REPO / "src")}
+    done = subprocess.run([sys.executable, "-m", "benchmarks.memory", "--measure", json.dumps(specs)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=1800 * len(specs))
     if done.returncode != 0:
         raise RuntimeError(f"measurement failed: {done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return [json.loads(line) for line in done.stdout.strip().splitlines()[-len(specs):]]
+
+
+def run_forked(specs: list[dict]) -> None:
+    """In this process: import what ``run_one`` needs, then fork one child per point, which
+    measures it and writes its row to a pipe (JSON); prints the rows in order. The parent
+    never runs a torch operation, so no thread pool exists at a fork, and each child starts
+    with only the imported modules, as a new interpreter would once it imported them."""
+    import torch  # noqa: F401
+    import transformers.models.qwen3.modeling_qwen3  # noqa: F401
+    from transformers import AutoModelForCausalLM, Qwen3Config  # noqa: F401
+
+    import trainer.model, trainer.optim, trainer.rl  # noqa: E401, F401
+
+    for point in specs:
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: one measurement, then out without the parent's teardown
+            os.close(read)
+            code = 1
+            try:
+                os.write(write, json.dumps(run_one(point)).encode())
+                code = 0
+            except Exception:  # noqa: BLE001 - a forked child reports any failure, then leaves at once
+                import traceback
+
+                traceback.print_exc()
+            finally:
+                os._exit(code)
+        os.close(write)
+        with os.fdopen(read, "rb") as pipe:
+            row = pipe.read()
+        _, status = os.waitpid(pid, 0)
+        if os.waitstatus_to_exitcode(status) != 0 or not row:
+            raise RuntimeError(f"the measurement of {point} failed (exit status {os.waitstatus_to_exitcode(status)})")
+        print(row.decode(), flush=True)
 
 
 def resident_kib(field: str) -> int:
@@ -138,8 +183,10 @@ def points(names: list[str]) -> list[tuple[str, int, bool, str]]:
 
 def table(names: list[str]) -> list[dict]:
     rows = []
-    for name, seq_len, checkpointing, dtype in points(names):
-        row = {"size": name, **measure(SIZES[name], seq_len, checkpointing, dtype)}
+    todo = points(names)
+    measured = measure([spec(SIZES[name], seq_len, checkpointing, dtype) for name, seq_len, checkpointing, dtype in todo])
+    for (name, seq_len, checkpointing, dtype), one in zip(todo, measured):
+        row = {"size": name, **one}
         row["estimate_mib"] = estimate(SIZES[name], seq_len, checkpointing, dtype)
         row["ratio"] = row["estimate_mib"] / row["step_peak_mib"]
         rows.append(row)
@@ -153,10 +200,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.memory", description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="the smallest size only")
     parser.add_argument("--write", action="store_true", help=f"store the table in {RESULTS.relative_to(REPO)}")
-    parser.add_argument("--measure", help=argparse.SUPPRESS)  # one point, in this process (a child of table())
+    parser.add_argument("--measure", help=argparse.SUPPRESS)  # points, each in a fork of this process (a child of table())
     args = parser.parse_args(argv)
     if args.measure:
-        print(json.dumps(run_one(json.loads(args.measure))))
+        run_forked(json.loads(args.measure))
         return 0
     rows = table(["4M"] if args.quick else list(SIZES))
     if args.write:
