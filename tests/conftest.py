@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import REPO
+from helpers import REPO, build_tiny
 
 # vLLM renames its engine and worker processes (setproctitle), which by default writes the
 # title over the area /proc/PID/environ shows: the test tag helpers.tagged_processes looks
@@ -27,10 +27,15 @@ def tiny_model(tmp_path_factory) -> Path:
 def other_tiny_model(tmp_path_factory) -> Path:
     """The tiny model's architecture and tokenizer with other weights (seed 1): a new policy,
     or a teacher of the tiny model."""
-    out = tmp_path_factory.mktemp("models") / "tiny-seed1"
-    subprocess.run([sys.executable, str(REPO / "scripts" / "build_tiny_model.py"), str(out), "--seed", "1"],
-                   check=True, capture_output=True)
-    return out
+    return build_tiny(tmp_path_factory.mktemp("models") / "tiny-seed1", seed=1)
+
+
+@pytest.fixture(scope="session")
+def family_models(tiny_model, tmp_path_factory) -> dict[str, Path]:
+    """The tiny model in each architecture family the documentation's users train: Qwen3
+    dense (``tiny_model`` itself), Llama and Qwen3 MoE, with the same tokenizer and sizes."""
+    root = tmp_path_factory.mktemp("families")
+    return {"qwen3": tiny_model, **{arch: build_tiny(root / arch, arch=arch) for arch in ("llama", "qwen3_moe")}}
 
 
 @pytest.fixture(scope="session")
@@ -54,10 +59,7 @@ def sampling_defaults_model(tiny_model, tmp_path_factory) -> Path:
 def think_model(tmp_path_factory) -> Path:
     """The tiny model with a chat template that strips <think> blocks from assistant messages
     before the last user message, as Qwen3's does (a non-increasing template)."""
-    out = tmp_path_factory.mktemp("models") / "think"
-    script = REPO / "scripts" / "build_tiny_model.py"
-    subprocess.run([sys.executable, str(script), str(out), "--chat-template", "think-stripping"], check=True, capture_output=True)
-    return out
+    return build_tiny(tmp_path_factory.mktemp("models") / "think", chat_template="think-stripping")
 
 
 @pytest.fixture(scope="session")

@@ -4,8 +4,6 @@ model family the trainer supports."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -199,15 +197,6 @@ def group_samples(rng: np.random.Generator) -> list:
         samples.append(make_sample(ids, [0] * 20 + [1] * 3 + [0] * 4 + [1] * 2, rng.normal(-2, 0.5, len(ids)).tolist(),
                                    advantage=float(rng.normal()), reward=0.0, policy_version=0, example_id=1))
     return samples
-
-
-@pytest.fixture(scope="module")
-def family_models(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("families")
-    for arch in ("qwen3", "llama", "qwen3_moe"):
-        subprocess.run([sys.executable, str(REPO / "scripts" / "build_tiny_model.py"), str(root / arch), "--arch", arch],
-                       check=True, capture_output=True)
-    return {arch: root / arch for arch in ("qwen3", "llama", "qwen3_moe")}
 
 
 def single_samples(rng: np.random.Generator) -> list:

@@ -15,7 +15,7 @@ import msgspec
 import pytest
 import torch
 import zmq
-from helpers import REPO, free_port, free_port_pair
+from helpers import build_tiny, free_port, free_port_pair
 
 from prime_rl.config import LoraConfig, TransportConfig
 from prime_rl.heartbeat import heartbeat_path, read_heartbeat
@@ -288,9 +288,7 @@ def test_lora_trains_with_less_peak_memory_than_full_fine_tuning(tmp_path):
     """The same two steps on the same 27M-parameter model (110 MB of float32 weights):
     full fine-tuning holds gradients and two AdamW moments of every weight (~3 x 110 MB
     more), LoRA those of the adapters only. Peak = the trainer process's max RSS on CPU."""
-    model = tmp_path / "mid"
-    subprocess.run([sys.executable, str(REPO / "scripts" / "build_tiny_model.py"), str(model),
-                    "--hidden-size", "512", "--num-layers", "8", "--head-dim", "64"], check=True, capture_output=True)
+    model = build_tiny(tmp_path / "mid", hidden_size=512, num_layers=8, head_dim=64)
     weights_mb = (model / "model.safetensors").stat().st_size / 2**20
     samples = make_samples(model, policy_version=0)
     peaks = {}

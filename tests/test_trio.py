@@ -477,15 +477,13 @@ def test_tool_calling_trio_parses_calls_with_vllm_and_trains_only_the_model_toke
 # llama is slow-marked to keep the default suite near 20 minutes: packing's tests compare
 # its logprobs with one row per sample on CPU; the trio runs the other family here.
 @pytest.mark.parametrize("arch", [pytest.param("llama", marks=pytest.mark.slow), "qwen3_moe"])
-def test_other_model_families_train_hand_off_and_match_vllm(tmp_path, arch):
+def test_other_model_families_train_hand_off_and_match_vllm(tmp_path, family_models, arch):
     """The documentation's other families (Qwen3 dense is every other trio test's model),
     tiny and random: the trainer steps with FSDP2, writes weights vLLM reloads, and vLLM's
     logprobs match the trainer's at the first step."""
     from transformers import AutoConfig
 
-    model = tmp_path / f"tiny-{arch}"
-    subprocess.run([sys.executable, str(REPO / "scripts" / "build_tiny_model.py"), str(model), "--arch", arch],
-                   check=True, capture_output=True)
+    model = family_models[arch]
     proc, run_dir, tag = launch(tmp_path, model, arch, "--no-tmux")
     finish(proc, run_dir)
     rows = read_jsonl(metrics_path(run_dir))

@@ -70,15 +70,6 @@ def needs(model: Path, **changes) -> warm.RunNeeds:
     return warm.RunNeeds(**{**need.__dict__, **changes})
 
 
-@pytest.fixture(scope="module")
-def seed1_model(tmp_path_factory) -> Path:
-    """The tiny model's architecture and tokenizer with other weights."""
-    out = tmp_path_factory.mktemp("models") / "tiny-seed1"
-    subprocess.run([sys.executable, str(REPO / "scripts" / "build_tiny_model.py"), str(out), "--seed", "1"],
-                   check=True, capture_output=True)
-    return out
-
-
 @pytest.fixture
 def listening():
     """A socket listening on a free port of 127.0.0.1 (a server holding the port)."""
@@ -135,9 +126,9 @@ def test_the_replica_count_must_match_deployment(tiny_model):
 # --------------------------------------------------------------------------- refusals
 
 
-def test_same_architecture_other_weights_is_fine(tiny_model, seed1_model):
-    assert (tiny_model / "model.safetensors").read_bytes() != (seed1_model / "model.safetensors").read_bytes()
-    assert warm.refusals(needs(seed1_model), a_state(tiny_model)) == []
+def test_same_architecture_other_weights_is_fine(tiny_model, other_tiny_model):
+    assert (tiny_model / "model.safetensors").read_bytes() != (other_tiny_model / "model.safetensors").read_bytes()
+    assert warm.refusals(needs(other_tiny_model), a_state(tiny_model)) == []
 
 
 def test_another_architecture_or_tokenizer_is_refused(tiny_model, tmp_path):
@@ -273,12 +264,12 @@ def test_a_server_that_cannot_prove_the_key_is_never_ready_nor_attached(tiny_mod
 # --------------------------------------------------------------------------- a run attaching (dry run)
 
 
-def test_a_run_attaches_in_its_resolved_configs(tmp_path, tiny_model, seed1_model, stand_in, capsys):
+def test_a_run_attaches_in_its_resolved_configs(tmp_path, tiny_model, other_tiny_model, stand_in, capsys):
     """A live warm server of the tiny model on the run's port: the run starts no vLLM, does not
     refuse the port, and its orchestrator loads the run's own model (another seed) first."""
     port = stand_in(None)
     warm.write_state(a_state(tiny_model, port))
-    config = rl_config(tmp_path, seed1_model, port)
+    config = rl_config(tmp_path, other_tiny_model, port)
     with pytest.raises(SystemExit) as exit_info:
         main([str(config), "--dry-run"])
     out, err = capsys.readouterr()
@@ -286,13 +277,13 @@ def test_a_run_attaches_in_its_resolved_configs(tmp_path, tiny_model, seed1_mode
     assert f"attaching to the warm inference server at http://127.0.0.1:{port}" in out and "warning" not in err, (out, err)
     run_dir = tmp_path / "run"
     orchestrator = json.loads(config_path(run_dir, "orchestrator").read_text())
-    assert orchestrator["initial_weights"] == str(seed1_model.resolve())
-    assert orchestrator["model"] == str(tiny_model) and orchestrator["tokenizer"] == str(seed1_model)
+    assert orchestrator["initial_weights"] == str(other_tiny_model.resolve())
+    assert orchestrator["model"] == str(tiny_model) and orchestrator["tokenizer"] == str(other_tiny_model)
     assert not config_path(run_dir, "inference").exists()
 
 
-def test_a_resumed_run_loads_its_checkpoints_weights(tmp_path, tiny_model, seed1_model):
-    config = load(rl_config(tmp_path, seed1_model, 18000))
+def test_a_resumed_run_loads_its_checkpoints_weights(tmp_path, tiny_model, other_tiny_model):
+    config = load(rl_config(tmp_path, other_tiny_model, 18000))
     attached, weights = warm.attach(config, [a_state(tiny_model)], tmp_path / "run", resume_step=4)
     assert config.orchestrator.initial_weights is None, "the config given is not changed"
     config = attached
@@ -511,10 +502,10 @@ def attached_run(config: Path, run_dir: Path, tag: str) -> tuple[float, dict]:
     return first["wall"] - t0, first
 
 
-def test_two_runs_attach_to_one_warm_server_and_each_samples_its_own_weights(tmp_path, tiny_model, seed1_model, servers_dir):
+def test_two_runs_attach_to_one_warm_server_and_each_samples_its_own_weights(tmp_path, tiny_model, other_tiny_model, servers_dir):
     port, tag = free_port_pair(), new_tag()
     first_config = rl_config(tmp_path, tiny_model, port, name="first")
-    second_config = rl_config(tmp_path, seed1_model, port, name="second")  # same architecture, other weights
+    second_config = rl_config(tmp_path, other_tiny_model, port, name="second")  # same architecture, other weights
     server = start_server(first_config, tag)
     state = servers_dir / f"127.0.0.1-{port}.json"
     try:
