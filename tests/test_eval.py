@@ -471,7 +471,7 @@ def test_chat_sampler_offers_tools_and_reads_the_endpoints_tool_calls():
             pass
 
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()  # shutdown() waits one poll
     tools = [{"type": "function", "function": {"name": "search_pages", "parameters": {"type": "object", "properties": {}}}}]
 
     async def go():

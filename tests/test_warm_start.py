@@ -230,7 +230,7 @@ def stand_in():
     def start(key: str | None) -> int:
         handler = type("Handler", (StandIn,), {"key": key})
         server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-        threading.Thread(target=server.serve_forever, daemon=True).start()
+        threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()  # shutdown() waits one poll
         servers.append(server)
         return server.server_address[1]
 
