@@ -6,8 +6,9 @@
 Each setting runs its shipped config (`shipped`) and one variant per knob, each changing one
 setting by a flag: `async_level` 0 and 2, the loss denominator (`all`: every loss token,
 against `informative`: those of samples with a nonzero advantage), advantages divided by
-their group's standard deviation, the importance correction (`none`, `truncated`,
-`sequence_mask`, against `token_mask`), and the learning rate (half and double). Repeat i of
+their group's standard deviation, the importance correction (each of `token_mask`,
+`sequence_mask`, `truncated` and `none` but the shipped one), and the learning rate (half
+and double). Repeat i of
 every variant runs with seed i (data order, the trainer's and vLLM's sampling), the
 variants alternating within each repeat so drift in the machine's speed hits all alike; all
 start from the same SFT'd model (``benchmarks.run.prepare_model``). Settings:
@@ -36,6 +37,8 @@ import time
 import tomllib
 from dataclasses import asdict, dataclass
 
+from prime_rl.config import LossConfig
+
 from benchmarks.batching import SETTINGS as BATCHING_SETTINGS
 from benchmarks.run import (
     QUICKSTART, REPO, RESULTS, WORK, Curve, Mode, Recipe, alternating, cell, figures, machine, plot_rewards, prepare_model, run_prime_rl,
@@ -48,6 +51,7 @@ VARIANTS: dict[str, tuple[str, ...]] = {
     "async_level=2": ("--async-level", "2"),
     "denominator=all": ("--trainer.loss.denominator", "all"),
     "normalize_std": ("--orchestrator.advantage.normalize-std", "true"),
+    "importance=token_mask": ("--trainer.loss.importance", "token_mask"),
     "importance=none": ("--trainer.loss.importance", "none"),
     "importance=truncated": ("--trainer.loss.importance", "truncated"),
     "importance=sequence_mask": ("--trainer.loss.importance", "sequence_mask"),
@@ -68,10 +72,21 @@ class Setting:
     """Flags every variant of the setting runs with."""
 
     @property
+    def trainer(self) -> dict:
+        """The shipped config's `[trainer]` table."""
+        with open(REPO / self.config, "rb") as f:
+            return tomllib.load(f).get("trainer", {})
+
+    @property
     def lr(self) -> float:
         """The shipped config's `trainer.optim.lr` (the lr variants halve and double it)."""
-        with open(REPO / self.config, "rb") as f:
-            return float(tomllib.load(f)["trainer"]["optim"]["lr"])
+        return float(self.trainer["optim"]["lr"])
+
+    @property
+    def variants(self) -> list[str]:
+        """Every variant but the importance correction the shipped config already uses."""
+        shipped = self.trainer.get("loss", {}).get("importance", LossConfig().importance)
+        return [v for v in VARIANTS if v != f"importance={shipped}"]
 
 
 FIGURES = ("reward_first5", "reward_last5", "gain", "startup_s", "s_per_step")
@@ -157,12 +172,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--resummarize", action="store_true", help="recompute the figures, plots and RESULTS.md from stored curves")
     args = parser.parse_args(argv)
     names = [n.strip() for n in args.only.split(",") if n.strip()]
-    variants = [v.strip() for v in args.variants.split(",")] if args.variants else (
-        ["shipped", "lr*2"] if args.quick else list(VARIANTS))
-    for what, given, known in (("--only", names, SETTINGS), ("--variants", variants, VARIANTS)):
+    chosen = [v.strip() for v in args.variants.split(",")] if args.variants else (["shipped", "lr*2"] if args.quick else None)
+    for what, given, known in (("--only", names, SETTINGS), ("--variants", chosen or [], VARIANTS)):
         if unknown := [x for x in given if x not in known]:
             parser.error(f"{what}: unknown {unknown}; expected some of {list(known)}")
-    if "shipped" not in variants:
+    if chosen is not None and "shipped" not in chosen:
         parser.error("--variants: `shipped` is needed (every ratio is over it)")
     results = WORK / "results" if args.quick else RESULTS
     results.mkdir(parents=True, exist_ok=True)
@@ -177,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
             curves = {v: [Curve(**c) for c in runs] for v, runs in stored["curves"].items()}
             date, first = stored["date"], stored.get("first_seed", 0)
         else:
-            curves = measure(setting, mode, variants, args.repeats or mode.repeats, started, args.first_seed)
+            curves = measure(setting, mode, chosen or setting.variants, args.repeats or mode.repeats, started, args.first_seed)
             date, first = time.strftime("%Y-%m-%d %H:%M"), args.first_seed
         repeats = len(curves["shipped"])
         seeds = f"seed {first}" if repeats == 1 else f"seeds {first}-{first + repeats - 1}"

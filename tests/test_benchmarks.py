@@ -256,6 +256,11 @@ def test_each_ablation_variant_changes_one_setting_of_the_shipped_config():
     assert changed("normalize_std") == {"orchestrator"}
     assert changed("importance=truncated") == {"trainer"} and changed("denominator=all") == {"trainer"}
     assert "orchestrator" in changed("async_level=0")
+    # the quickstart ships sequence_mask, so its own variant would rerun `shipped`; alphabet-sort
+    # ships the library default (token_mask)
+    assert changed("importance=token_mask") == {"trainer"} and "importance=sequence_mask" not in setting.variants
+    assert "importance=token_mask" not in ablations.SETTINGS["alphabet-sort"].variants
+    assert "importance=sequence_mask" in ablations.SETTINGS["alphabet-sort"].variants
 
 
 def test_ablation_ratios_are_over_the_shipped_variants_medians():
