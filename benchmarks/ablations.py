@@ -41,7 +41,7 @@ from prime_rl.config import LossConfig
 
 from benchmarks.batching import SETTINGS as BATCHING_SETTINGS
 from benchmarks.run import (
-    QUICKSTART, REPO, RESULTS, WORK, Curve, Mode, Recipe, alternating, cell, figures, machine, plot_rewards, prepare_model, run_prime_rl,
+    QUICKSTART, REPO, RESULTS, WORK, Curve, Mode, alternating, cell, figures, machine, plot_rewards, prepare_model, run_prime_rl,
     spread, write_results_md,
 )
 
@@ -65,9 +65,9 @@ VARIANTS: dict[str, tuple[str, ...]] = {
 class Setting:
     name: str
     config: str
-    recipe: Recipe
     full: Mode
     quick: Mode
+    """Each mode names the recipe of the model it starts from (``Mode.recipe``)."""
     flags: tuple[str, ...] = ()
     """Flags every variant of the setting runs with."""
 
@@ -93,11 +93,13 @@ FIGURES = ("reward_first5", "reward_last5", "gain", "startup_s", "s_per_step")
 SETTINGS = {
     s.name: s
     for s in (
-        Setting("quickstart", QUICKSTART.config, Recipe(),
-                full=Mode(steps=120, repeats=3, targets=(0.7, 0.75, 0.8, 0.85), budgets_s=(45.0, 90.0)),
+        Setting("quickstart", QUICKSTART.config,
+                full=Mode(steps=120, repeats=3, targets=(0.7, 0.75, 0.8, 0.85), budgets_s=(45.0, 90.0),
+                          recipe=QUICKSTART.full.recipe),
                 quick=Mode(steps=8, repeats=1, targets=(0.65,), budgets_s=(30.0,), recipe=QUICKSTART.quick.recipe)),
-        Setting("alphabet-sort", "configs/alphabet-sort/rl.toml", BATCHING_SETTINGS["multi-turn"].recipe,
-                full=Mode(steps=60, repeats=3, targets=(0.3, 0.35, 0.4), budgets_s=(120.0, 240.0)),
+        Setting("alphabet-sort", "configs/alphabet-sort/rl.toml",
+                full=Mode(steps=60, repeats=3, targets=(0.3, 0.35, 0.4), budgets_s=(120.0, 240.0),
+                          recipe=BATCHING_SETTINGS["multi-turn"].recipe),
                 quick=Mode(steps=4, repeats=1, targets=(0.3,), budgets_s=(60.0,), recipe=BATCHING_SETTINGS["multi-turn"].recipe),
                 flags=("--eval.interval", "0")),  # its evaluations would take a tenth of each run
     )

@@ -59,6 +59,7 @@ from typing import Callable, Iterator, TypeVar
 from benchmarks import async_gain
 from benchmarks.loadgen import free_port
 from benchmarks.profile import CpuSampler, run_profile
+from prime_rl.launch.launcher import die_with_parent
 
 T = TypeVar("T")
 REPO = Path(__file__).resolve().parents[1]
@@ -146,7 +147,7 @@ class Curve:
 
 
 def run(cmd: list[str], **kwargs) -> None:
-    subprocess.run(cmd, check=True, cwd=REPO, **kwargs)
+    subprocess.run(cmd, check=True, cwd=REPO, preexec_fn=die_with_parent, **kwargs)
 
 
 def prepare_model(recipe: Recipe) -> Path:
@@ -178,7 +179,7 @@ def run_prime_rl(config: str | tuple[str, ...], model: Path, out: Path, flags: l
     cmd = [sys.executable, "-m", "prime_rl.cli", *configs, "--model", str(model), "--output-dir", str(out), *flags,
            "--clean", "--no-tmux", "--inference.port", str(port), *attach, "--transport.port", str(free_port())]
     t0 = time.time()
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, env=env)
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, env=env, preexec_fn=die_with_parent)
     with CpuSampler(proc.pid, t0) as cpu:
         if proc.wait() != 0:
             raise subprocess.CalledProcessError(proc.returncode, cmd)
@@ -199,7 +200,8 @@ def warm_server(config: str, model: Path, out: Path, timeout_s: float = 600) -> 
     env = {**os.environ, "PRIME_RL_SERVERS_DIR": str(servers)}
     cmd = [sys.executable, "-m", "prime_rl.cli", "inference", config, "--model", str(model), "--no-tmux",
            "--inference.port", str(port)]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, start_new_session=True,
+                            preexec_fn=die_with_parent)
     try:
         deadline = time.monotonic() + timeout_s
         while not (servers / f"127.0.0.1-{port}.json").is_file():

@@ -263,6 +263,17 @@ def test_each_ablation_variant_changes_one_setting_of_the_shipped_config():
     assert "importance=sequence_mask" in ablations.SETTINGS["alphabet-sort"].variants
 
 
+def test_each_ablation_setting_starts_from_its_own_environments_warm_up():
+    """alphabet-sort's full run once started from the quickstart's reverse-text model (every
+    reward 0): each mode names the recipe it starts from."""
+    from benchmarks import ablations
+    from benchmarks.batching import SETTINGS as BATCHING
+
+    for mode in (ablations.SETTINGS["alphabet-sort"].full, ablations.SETTINGS["alphabet-sort"].quick):
+        assert mode.recipe == BATCHING["multi-turn"].recipe and "alphabet-sort" in mode.recipe.data_args
+    assert ablations.SETTINGS["quickstart"].full.recipe == bench.QUICKSTART.full.recipe
+
+
 def test_ablation_ratios_are_over_the_shipped_variants_medians():
     from benchmarks import ablations
 

@@ -80,7 +80,7 @@ def describe_exit(code: int) -> str:
     return f"exited with code {code}"
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """Child-side: get SIGTERM if the launcher dies, so no process outlives it."""
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
@@ -142,7 +142,7 @@ class Launcher:
             stderr=stderr,
             env={**os.environ, "PYTHONUNBUFFERED": "1", **spec.env},
             start_new_session=True,
-            preexec_fn=_die_with_parent,
+            preexec_fn=die_with_parent,
         )
 
     def wait(self) -> None:
