@@ -26,6 +26,7 @@ from pathlib import Path
 import psutil
 
 from benchmarks.profile import role, run_profile
+from prime_rl.launch.launcher import die_with_parent
 
 STEPS = 30
 LEVELS = (0, 1, 2)
@@ -69,7 +70,8 @@ def one_run(model: Path, out: Path, level: int, pinned: bool, ports: tuple[int, 
     cmd = [sys.executable, "-m", "prime_rl.cli", "configs/reverse-text/rl.toml", "--model", str(model),
            "--output-dir", str(out), "--max-steps", str(STEPS), "--async-level", str(level), "--clean", "--no-tmux",
            "--inference.port", str(ports[0]), "--transport.port", str(ports[1])]
-    proc = subprocess.Popen(cmd, cwd=Path(__file__).resolve().parents[1], stdout=subprocess.DEVNULL)
+    proc = subprocess.Popen(cmd, cwd=Path(__file__).resolve().parents[1], stdout=subprocess.DEVNULL,
+                            preexec_fn=die_with_parent)
     stop = threading.Event()
     pinner = threading.Thread(target=pin_tree, args=(proc.pid, stop), daemon=True)
     if pinned:

@@ -107,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from prime_rl.config import InferenceConfig
+    from prime_rl.launch.launcher import die_with_parent
     from prime_rl.vllm_command import vllm_command, vllm_env
 
     port = free_port()
@@ -117,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     log = args.log.open("w")
     proc = subprocess.Popen(vllm_command(cfg, cpu=True), env=env, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=die_with_parent)
     try:
         while True:
             try:
