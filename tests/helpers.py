@@ -29,21 +29,26 @@ def sigint_as_from_a_terminal() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
+def load_script(name: str):
+    """``scripts/NAME.py`` as a module (the scripts are not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def build_tiny(out: Path, **options) -> Path:
     """scripts/build_tiny_model.py's model in this process: the script's `build_tiny_model`
     with the same keywords as its flags (``arch``, ``seed``, ``chat_template``, ...). The
     suite's process has torch and transformers imported already, so a model costs well under a
     second instead of a fresh interpreter's ~5 s of imports (the session's ``tiny_model`` still
     runs the script as a command). The global torch RNG is left as it was."""
-    import importlib.util
-
     import torch
 
-    spec = importlib.util.spec_from_file_location("build_tiny_model", REPO / "scripts" / "build_tiny_model.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
     with torch.random.fork_rng(devices=[]):
-        return script.build_tiny_model(out, **options)
+        return load_script("build_tiny_model").build_tiny_model(out, **options)
 
 
 def free_port() -> int:

@@ -3,16 +3,13 @@
 The suite builds its models in-process (``helpers.build_tiny``), so the command's flags are
 checked here: the command with flags writes the same files as the keywords they name."""
 
-import importlib.util
 import json
 
-from helpers import REPO, build_tiny
+from helpers import build_tiny, load_script
 
 
 def test_the_commands_flags_build_the_same_model_as_the_keywords(tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("build_tiny_model", REPO / "scripts" / "build_tiny_model.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script("build_tiny_model")
     script.main([str(tmp_path / "cli"), "--arch", "llama", "--seed", "3", "--chat-template", "think-stripping",
                  "--hidden-size", "32", "--num-layers", "1", "--head-dim", "64"])
     assert "wrote tiny llama model" in capsys.readouterr().out

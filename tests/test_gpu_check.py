@@ -3,7 +3,6 @@ trainer's code, bf16 compute over float32 masters, activation checkpointing, tok
 micro-batches, a weight save for vLLM) at a tiny size; the CUDA-only checks are skipped, and
 the table and exit codes are those a GPU run gives."""
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -11,16 +10,9 @@ import sys
 
 import pytest
 
-from helpers import REPO
+from helpers import REPO, load_script
 
 SCRIPT = REPO / "scripts" / "gpu_check.py"
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_the_check_runs_the_trainers_path_and_reports_it(tmp_path):
@@ -58,7 +50,7 @@ def test_the_check_runs_the_trainers_path_and_reports_it(tmp_path):
 
 
 def test_a_failed_check_fails_the_run_and_the_fsdp_loss_is_compared(tmp_path, capsys):
-    gpu_check = load_script()
+    gpu_check = load_script("gpu_check")
     out = tmp_path / "report.json"
     out.write_text(json.dumps({"size": "4b", "device": "cuda:0", "checks": {"environment": {"status": "ok", "reason": "",
                    "torch": "2.11", "cuda": "13.0", "transformers": "5.17", "gpu": "H200", "gpu_bytes": 150e9, "bf16": True}}}))
