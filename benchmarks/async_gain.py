@@ -16,46 +16,18 @@ when they overlap, which two cores shared by five processes do not grant.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
-import psutil
-
-from benchmarks.profile import role, run_profile
+from benchmarks.profile import pin_tree, run_profile
 from prime_rl.launch.launcher import die_with_parent
 
 STEPS = 30
 LEVELS = (0, 1, 2)
 PIN = {"vllm_worker": [0], "vllm_api": [1], "vllm_engine": [1], "trainer": [1], "orchestrator": [1]}
-
-
-def pin_tree(pid: int, stop: threading.Event) -> None:
-    """Pin each process of ``pid``'s tree by role (``PIN``) as it appears, until ``stop``."""
-    done: set[int] = set()
-    root = psutil.Process(pid)
-    while not stop.is_set():
-        try:
-            procs = root.children(recursive=True)
-        except psutil.Error:
-            procs = []
-        for proc in procs:
-            if proc.pid in done:
-                continue
-            name = role(proc)
-            if name in PIN:
-                try:
-                    # every thread: a process's affinity is per thread, and threads already
-                    # started (torch's, vLLM's) would keep their old mask
-                    for thread in proc.threads():
-                        os.sched_setaffinity(thread.id, PIN[name])
-                    done.add(proc.pid)
-                except (psutil.Error, OSError):
-                    pass
-        stop.wait(0.2)
 
 
 def components(rows: list[dict]) -> tuple[float, dict[str, float]]:
@@ -73,7 +45,7 @@ def one_run(model: Path, out: Path, level: int, pinned: bool, ports: tuple[int, 
     proc = subprocess.Popen(cmd, cwd=Path(__file__).resolve().parents[1], stdout=subprocess.DEVNULL,
                             preexec_fn=die_with_parent)
     stop = threading.Event()
-    pinner = threading.Thread(target=pin_tree, args=(proc.pid, stop), daemon=True)
+    pinner = threading.Thread(target=pin_tree, args=(proc.pid, PIN, stop), daemon=True)
     if pinned:
         pinner.start()
     try:

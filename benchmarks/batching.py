@@ -12,11 +12,18 @@ that drift in the machine's speed hits both alike. Regimes:
 - `multi-turn`: `configs/alphabet-sort/rl.toml` on its SFT warm-up (`scripts/train_env.sh
   alphabet-sort`'s recipe: two turns, up to 96 tokens each, 32 rollouts a step).
 
+- `quickstart-disjoint`, `long-tail-disjoint`: generation and training on cores of their own,
+  as on two GPUs (``benchmarks.profile.DISJOINT``: all of vLLM on core 0, the trainer with one
+  thread and the orchestrator on core 1): the quickstart, and multi-turn alphabet-sort whose
+  episodes vary within a step (`benchmarks/configs/long-tail.toml`: 1-4 turns, replies of
+  1-8 names, 64 rollouts a step), on the same SFT warm-up as `multi-turn`.
+
 Per run, after the first step (start-up): rollouts per second (rollouts trained / seconds
 between the trainer's first and last step), the trainer's idle share (its mean
 `time/wait_batch` over its mean step), seconds per step, the reward of the first and last 5
-steps, groups dropped as too old, the share of rollouts that spanned a reload, and reward
-against wall-clock time (plotted). Ratios are continuous over step. Writes
+steps, groups dropped as too old, the share of rollouts that spanned a reload, the cores
+each process kept busy (`cores/<role>`, ``benchmarks.profile``), and reward against
+wall-clock time (plotted). Ratios are continuous over step. Writes
 `benchmarks/results/batching.json` (a quick run: `outputs/bench/results/`), the PNGs beside
 it, and regenerates RESULTS.md (`benchmarks.run.write_results_md`).
 """
@@ -26,15 +33,24 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
+import sys
 import time
+import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
+from benchmarks.profile import DISJOINT
 from benchmarks.run import RESULTS, WORK, Recipe, alternating, cell, machine, plot_rewards, prepare_model, run_prime_rl, spread, write_results_md
 
 ALPHABET_ARGS = ('{"min_turns": 2, "max_turns": 2, "min_names_per_turn": 1, "max_names_per_turn": 2, '
                  '"names_path": "configs/alphabet-sort/names.txt"}')
 MODES = ("continuous", "step")
+
+
+DISJOINT_FLAGS = ("--inference.cpu-threads-bind", "0", "--trainer.num-threads", "1")
+"""With ``DISJOINT`` pinning: vLLM's worker binds its one OpenMP thread to core 0, the trainer
+runs one thread on core 1."""
 
 
 @dataclass(frozen=True)
@@ -44,16 +60,21 @@ class Setting:
     recipe: Recipe
     steps: int
     quick_steps: int
+    disjoint: bool = False
+    """vLLM and the trainer on cores of their own (``benchmarks.profile.DISJOINT``), as on two GPUs."""
 
 
+ALPHABET_SORT = Recipe(data_args=("--env", "alphabet-sort", "--num-examples", "4000", "--args", ALPHABET_ARGS),
+                       sft_config="configs/alphabet-sort/sft.toml")
 SETTINGS = {
     s.name: s
     for s in (
         Setting("quickstart", "configs/reverse-text/rl.toml", Recipe(), steps=60, quick_steps=6),
-        Setting("multi-turn", "configs/alphabet-sort/rl.toml",
-                Recipe(data_args=("--env", "alphabet-sort", "--num-examples", "4000", "--args", ALPHABET_ARGS),
-                       sft_config="configs/alphabet-sort/sft.toml"),
-                steps=30, quick_steps=4),
+        Setting("multi-turn", "configs/alphabet-sort/rl.toml", ALPHABET_SORT, steps=30, quick_steps=4),
+        Setting("quickstart-disjoint", "configs/reverse-text/rl.toml", Recipe(), steps=60, quick_steps=6,
+                disjoint=True),
+        Setting("long-tail-disjoint", "benchmarks/configs/long-tail.toml", ALPHABET_SORT, steps=30, quick_steps=4,
+                disjoint=True),
     )
 }
 
@@ -66,11 +87,14 @@ def run_figures(out: Path, t0_curve) -> dict[str, float | None]:
     steady_t, steady_o = trainer[1:], orch[1:]
     span = trainer[-1]["wall"] - trainer[0]["wall"] if len(trainer) > 1 else None
     rollouts = sum(r["perf/samples"] for r in steady_t)
+    training = sum(r["time/train"] for r in steady_t)
     wait = statistics.fmean(r["time/wait_batch"] for r in steady_t) if steady_t else None
     step = statistics.fmean(r["time/step"] for r in steady_t) if steady_t else None
     rewards = t0_curve.rewards
     return {
         "rollouts_per_s": rollouts / span if span else None,
+        # the most any schedule could get: the trainer never waiting for a batch
+        "trainer_limit_rollouts_per_s": rollouts / training if training else None,
         "s_per_step": span / (len(trainer) - 1) if span else None,
         "trainer_idle_share": wait / step if wait is not None and step else None,
         "startup_s": t0_curve.times[0] if t0_curve.times else None,
@@ -88,21 +112,46 @@ def measure(setting: Setting, steps: int, repeats: int, started: float) -> dict:
 
     def one(mode: str, seed: int) -> dict:
         out = WORK / "batching" / setting.name / f"{mode}-{seed}"
-        curve = run_prime_rl(setting.config, model, out, ["--max-steps", str(steps), "--seed", str(seed),
-                                                          "--orchestrator.batching", mode])
-        run = {"figures": run_figures(out, curve), "times": curve.times, "rewards": curve.rewards}
+        flags = ["--max-steps", str(steps), "--seed", str(seed), "--orchestrator.batching", mode]
+        curve = run_prime_rl(setting.config, model, out, flags + list(DISJOINT_FLAGS if setting.disjoint else ()),
+                             pin=DISJOINT if setting.disjoint else None)
+        cores = {k: v for k, v in curve.profile.items() if k.startswith("cores/")}  # where the cores went
+        run = {"figures": {**run_figures(out, curve), **cores}, "times": curve.times, "rewards": curve.rewards}
         print(f"[batching] {setting.name} {mode} seed {seed}: {run['figures']} ({time.time() - started:.0f} s)", flush=True)
         return run
 
     runs = alternating(list(MODES), repeats, one)
-    spreads = {mode: {key: spread([r["figures"][key] for r in runs[mode]]) for key in runs[mode][0]["figures"]}
+    served = serving(setting, model) if setting.disjoint else None
+    spreads = {mode: {key: spread([r["figures"].get(key) for r in runs[mode]]) for key in runs[mode][0]["figures"]}
                for mode in MODES}
     medians = {mode: {key: s["median"] for key, s in spreads[mode].items()} for mode in MODES}
     ratios = {}
     for key in ("rollouts_per_s", "s_per_step", "trainer_idle_share"):
         a, b = medians["continuous"][key], medians["step"][key]
         ratios[f"{key} continuous/step"] = a / b if a and b else None
-    return {"steps": steps, "repeats": repeats, "medians": medians, "spreads": spreads, "ratios": ratios, "runs": runs}
+    result = {"steps": steps, "repeats": repeats, "date": time.strftime("%Y-%m-%d"), "medians": medians,
+              "spreads": spreads, "ratios": ratios, "runs": runs}
+    return result | ({"serving": served} if served else {})
+
+
+SERVING_GROUPS = (1, 2, 4, 8, 16)
+
+
+def serving(setting: Setting, model: Path) -> list[dict]:
+    """vLLM alone on the disjoint regime's inference core (``benchmarks.loadgen``, all its
+    processes on core 0): generated tokens/s with 8 to 128 sequences in flight, each as long
+    as the regime's replies may be. Shows how much a fuller batch buys on that core."""
+    cfg = tomllib.loads(Path(setting.config).read_text())
+    rows = []
+    for groups in SERVING_GROUPS:
+        cmd = ["taskset", "-c", "0", sys.executable, "-m", "benchmarks.loadgen", str(model), "--groups", str(groups),
+               "--n", "8", "--max-tokens", str(cfg["sampling"]["max_tokens"]), "--seq-len", str(cfg["seq_len"]),
+               "--rounds", "4", "--env", "VLLM_CPU_OMP_THREADS_BIND=0"]
+        result = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.splitlines()[-1])
+        rows.append({"sequences": groups * 8, "tokens_per_s": result["tokens_per_s"],
+                     "tokens_per_s_per_sequence": result["tokens_per_s"] / (groups * 8)})
+        print(f"[batching] {setting.name} serving alone: {rows[-1]}", flush=True)
+    return rows
 
 
 def plot(name: str, result: dict, path: Path) -> None:
@@ -117,7 +166,8 @@ def section(results: dict) -> list[str]:
              "step, medians over seeds (repeat i runs seed i: data order, trainer, vLLM's sampling).", ""]
     for name, result in results.items():
         keys = list(result["medians"]["continuous"])
-        lines += [f"**{name}** ({result['steps']} steps, {result['repeats']} seed(s))", "",
+        when = result.get("date", "a run before 2026-12-05")
+        lines += [f"**{name}** ({result['steps']} steps, {result['repeats']} seed(s), {when})", "",
                   "| figure | continuous | step |", "|---|---|---|"]
         if "spreads" in result:  # median [min, max] over seeds
             lines += [f"| {k} | {cell(result['spreads']['continuous'][k])} | {cell(result['spreads']['step'][k])} |" for k in keys]
@@ -125,6 +175,11 @@ def section(results: dict) -> list[str]:
             lines += [f"| {k} | {fmt(result['medians']['continuous'][k])} | {fmt(result['medians']['step'][k])} |" for k in keys]
         lines += ["", "| ratio | value |", "|---|---|"]
         lines += [f"| {k} | {fmt(v)} |" for k, v in result["ratios"].items()]
+        if result.get("serving"):
+            lines += ["", "vLLM alone on core 0 (`benchmarks.loadgen`, the regime's reply length):", "",
+                      "| sequences in flight | tokens/s | tokens/s per sequence |", "|---|---|---|"]
+            lines += [f"| {r['sequences']} | {fmt(r['tokens_per_s'])} | {fmt(r['tokens_per_s_per_sequence'])} |"
+                      for r in result["serving"]]
         lines += ["", f"![{name}: reward against wall-clock time](results/batching-{name}.png)", ""]
     return lines
 

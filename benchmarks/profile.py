@@ -14,10 +14,15 @@ metrics rows (each process times its phases per step) into one flat dict of figu
   /health, when the trainer was ready for its first batch, when the first batch was sent,
   and when the first step was trained;
 - ``handoff_share``: weight handoff (trainer write + inference reload) over seconds per step.
+
+``pin_tree`` keeps each process of a run on cores chosen by its role (``DISJOINT``: vLLM on
+core 0, the trainer and the orchestrator on core 1, as generation and training would be on
+two GPUs).
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import threading
 import time
@@ -35,6 +40,38 @@ def role(proc: psutil.Process) -> str | None:
     except psutil.Error:
         return None
     return next((name for key, name in ROLES if key in text), None)
+
+
+DISJOINT = {"vllm_worker": [0], "vllm_api": [0], "vllm_engine": [0], "trainer": [1], "orchestrator": [1]}
+"""Generation and training on cores of their own: all of vLLM on core 0 (its worker's OpenMP
+threads bound there too: ``inference.cpu_threads_bind = "0"``), the trainer (one thread) and
+the orchestrator on core 1."""
+
+
+def pin_tree(pid: int, pin: dict[str, list[int]], stop: threading.Event) -> None:
+    """Pin each process of ``pid``'s tree by role (``pin``: role -> cores) as it appears,
+    until ``stop``."""
+    done: set[int] = set()
+    root = psutil.Process(pid)
+    while not stop.is_set():
+        try:
+            procs = root.children(recursive=True)
+        except psutil.Error:
+            procs = []
+        for proc in procs:
+            if proc.pid in done:
+                continue
+            name = role(proc)
+            if name in pin:
+                try:
+                    # every thread: a process's affinity is per thread, and threads already
+                    # started (torch's, vLLM's) would keep their old mask
+                    for thread in proc.threads():
+                        os.sched_setaffinity(thread.id, pin[name])
+                    done.add(proc.pid)
+                except (psutil.Error, OSError):
+                    pass
+        stop.wait(0.2)
 
 
 class CpuSampler:

@@ -49,6 +49,7 @@ import statistics
 import subprocess
 import sys
 import signal
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -58,7 +59,7 @@ from typing import Callable, Iterator, TypeVar
 
 from benchmarks import async_gain
 from benchmarks.loadgen import free_port
-from benchmarks.profile import CpuSampler, run_profile
+from benchmarks.profile import CpuSampler, pin_tree, run_profile
 from prime_rl.launch.launcher import die_with_parent
 
 T = TypeVar("T")
@@ -170,9 +171,11 @@ def prepare_model(recipe: Recipe) -> Path:
 
 
 def run_prime_rl(config: str | tuple[str, ...], model: Path, out: Path, flags: list[str],
-                 warm: tuple[int, dict] | None = None, system: str = "prime-rl") -> Curve:
+                 warm: tuple[int, dict] | None = None, system: str = "prime-rl",
+                 pin: dict[str, list[int]] | None = None) -> Curve:
     """`prime-rl CONFIG [LAYER ...]` on ``model`` with ``flags``, headless; with ``warm`` (the
-    port and environment of ``warm_server``), attached to that server."""
+    port and environment of ``warm_server``), attached to that server; with ``pin`` (role ->
+    cores, ``benchmarks.profile.pin_tree``), each process kept to its cores."""
     port, env = warm or (free_port(), None)
     attach = ["--inference.attach", "true"] if warm else []
     configs = [config] if isinstance(config, str) else list(config)
@@ -180,9 +183,15 @@ def run_prime_rl(config: str | tuple[str, ...], model: Path, out: Path, flags: l
            "--clean", "--no-tmux", "--inference.port", str(port), *attach, "--transport.port", str(free_port())]
     t0 = time.time()
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, env=env, preexec_fn=die_with_parent)
-    with CpuSampler(proc.pid, t0) as cpu:
-        if proc.wait() != 0:
-            raise subprocess.CalledProcessError(proc.returncode, cmd)
+    stop = threading.Event()
+    if pin:
+        threading.Thread(target=pin_tree, args=(proc.pid, pin, stop), daemon=True).start()
+    try:
+        with CpuSampler(proc.pid, t0) as cpu:
+            if proc.wait() != 0:
+                raise subprocess.CalledProcessError(proc.returncode, cmd)
+    finally:
+        stop.set()
     wall = time.time() - t0
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     steps_rows = [r for r in rows if r["process"] == "orchestrator" and "reward/mean" in r]
@@ -483,6 +492,9 @@ def targets(results: Path) -> list[tuple[str, float | None, bool | None]]:
     if "multi-turn" in batching:
         rows.append(("multi-turn: continuous batching >= 1.3x the rollouts/s of the step barrier",
                      batching["multi-turn"]["ratios"].get("rollouts_per_s continuous/step"), lambda v: v >= 1.3))
+    if "long-tail-disjoint" in batching:
+        rows.append(("disjoint cores, long-tailed multi-turn: continuous batching >= 1.3x the rollouts/s of the step barrier",
+                     batching["long-tail-disjoint"]["ratios"].get("rollouts_per_s continuous/step"), lambda v: v >= 1.3))
     for name, result in batching.items():
         kl = result["medians"]["continuous"].get("mismatch_kl_step0")
         rows.append((f"{name}, continuous batching: mismatch KL at step 0 < 1e-3", kl, lambda v: v < 1e-3))

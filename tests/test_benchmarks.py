@@ -299,5 +299,74 @@ def test_batching_section_shows_each_figure_over_seeds_with_its_range():
     result = {"steps": 30, "repeats": 3, "medians": {m: {"rollouts_per_s": 10.0} for m in batching.MODES},
               "spreads": spreads, "ratios": {"rollouts_per_s continuous/step": 1.0}}
     lines = batching.section({"multi-turn": result})
-    assert "**multi-turn** (30 steps, 3 seed(s))" in lines
+    assert "**multi-turn** (30 steps, 3 seed(s), a run before 2026-12-05)" in lines
     assert "| rollouts_per_s | 10 [9, 12] | 10 [9, 12] |" in lines
+
+
+def test_batching_section_shows_serving_alone_when_measured():
+    from benchmarks import batching
+
+    result = {"steps": 30, "repeats": 3, "medians": {m: {"rollouts_per_s": 10.0} for m in batching.MODES},
+              "ratios": {"rollouts_per_s continuous/step": 0.9},
+              "serving": [{"sequences": 8, "tokens_per_s": 1440.0, "tokens_per_s_per_sequence": 180.0}]}
+    lines = batching.section({"long-tail-disjoint": result})
+    assert "| 8 | 1.44e+03 | 180 |" in lines
+
+
+def test_batching_figures_bound_rollouts_by_the_trainer_alone(tmp_path):
+    """The trainer limit: the steady steps' rollouts over their training seconds (step 0 carries start-up)."""
+    from benchmarks import batching
+
+    rows = [{"process": "trainer", "step": s, "wall": 100.0 + 5 * s, "perf/samples": 64, "time/train": t,
+             "time/wait_batch": w, "time/step": t + w, "loss/mismatch_kl": 0.0}
+            for s, t, w in ((0, 9.0, 20.0), (1, 4.0, 1.0), (2, 4.0, 1.0))]
+    rows += [{"process": "orchestrator", "step": s, "reward/mean": 0.5} for s in range(3)]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    f = batching.run_figures(tmp_path, curve("prime-rl", [10, 15, 20], [0.5] * 3))
+    assert f["trainer_limit_rollouts_per_s"] == pytest.approx(128 / 8.0)  # 16/s
+    assert f["rollouts_per_s"] == pytest.approx(128 / 10.0)  # 2 steady steps in 10 s of wall
+    assert f["trainer_idle_share"] == pytest.approx(1 / 5)
+
+
+def test_the_disjoint_long_tail_target_reads_its_own_regime(tmp_path):
+    (tmp_path / "batching.json").write_text(json.dumps({"batching": {
+        "long-tail-disjoint": {"ratios": {"rollouts_per_s continuous/step": 0.9}, "medians": {"continuous": {}}}}}))
+    rows = {name: (value, holds) for name, value, holds in bench.targets(tmp_path)}
+    assert rows["disjoint cores, long-tailed multi-turn: continuous batching >= 1.3x the rollouts/s of the step barrier"] \
+        == (0.9, False)
+
+
+@pytest.mark.skipif(len(__import__("os").sched_getaffinity(0)) < 2, reason="needs two cores to pin to one of them")
+def test_pin_tree_keeps_each_process_of_a_tree_to_its_roles_cores():
+    """A process whose command line names a role lands on that role's cores, every thread of
+    it; a process of no listed role is left alone."""
+    import os
+    import threading
+
+    from benchmarks.profile import pin_tree
+
+    code = "import threading, time; threading.Thread(target=time.sleep, args=(30,)).start(); time.sleep(30)"
+    tree = subprocess.Popen(["bash", "-c", f'{sys.executable} -c "{code}" orchestrator & '
+                                           f'{sys.executable} -c "{code}" other & wait'])
+    stop = threading.Event()
+    try:
+        threading.Thread(target=pin_tree, args=(tree.pid, {"orchestrator": [1]}, stop), daemon=True).start()
+        import time
+
+        import psutil
+
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            kids = {" ".join(p.cmdline()[-1:]): p for p in psutil.Process(tree.pid).children()}
+            pinned = kids.get("orchestrator")
+            if pinned and all(os.sched_getaffinity(t.id) == {1} for t in pinned.threads()) and pinned.num_threads() == 2:
+                break
+            time.sleep(0.1)
+        assert pinned is not None and {os.sched_getaffinity(t.id) == {1} for t in pinned.threads()} == {True}
+        assert os.sched_getaffinity(kids["other"].pid) == os.sched_getaffinity(0)
+    finally:
+        stop.set()
+        for p in psutil.Process(tree.pid).children():
+            p.kill()
+        tree.kill()
+        tree.wait()
