@@ -495,6 +495,8 @@ def targets(results: Path) -> list[tuple[str, float | None, bool | None]]:
     if "long-tail-disjoint" in batching:
         rows.append(("disjoint cores, long-tailed multi-turn: continuous batching >= 1.3x the rollouts/s of the step barrier",
                      batching["long-tail-disjoint"]["ratios"].get("rollouts_per_s continuous/step"), lambda v: v >= 1.3))
+    if traces := load("traces"):
+        rows.append(("rollout traces: their work < 2% of a quickstart step (issue 37)", traces["share_of_step"], lambda v: v < 0.02))
     for name, result in batching.items():
         kl = result["medians"]["continuous"].get("mismatch_kl_step0")
         rows.append((f"{name}, continuous batching: mismatch KL at step 0 < 1e-3", kl, lambda v: v < 1e-3))

@@ -334,3 +334,49 @@ def reverse_if_told(messages, index) -> str:
     system = messages[0]["content"] if messages and messages[0]["role"] == "system" else ""
     text = messages[-1]["content"]
     return text[::-1] if INSTRUCTION in system else text
+
+
+def assert_traced(run_dir, steps: int, rollouts_per_example: int, groups: int = 2, mismatch_at_0: float = 0.05) -> list[dict]:
+    """The run's traces (``prime_rl.traces``): each step's ``groups`` whole groups, each rollout
+    once; the trainer's row of each traced sample once, of the step that trained it, a value per
+    sampled token (none was cut here); at step 0 the trainer's logprobs match vLLM's within
+    ``mismatch_at_0`` on average. Returns the train rows."""
+    from prime_rl.traces import read_traces, rollout_traces_path, trainer_traces_path
+
+    rollouts = [r for r in read_traces(rollout_traces_path(run_dir)).rows if r["kind"] == "train"]
+    trainer = read_traces(trainer_traces_path(run_dir)).rows
+    ids = [r["id"] for r in rollouts]
+    assert len(ids) == len(set(ids)), "a rollout traced twice"
+    for step in range(steps):
+        mine = [r for r in rollouts if r["step"] == step]
+        assert len(mine) == groups * rollouts_per_example, (step, len(mine))
+        assert len({r["group"] for r in mine}) == groups and all(r["advantage"] is not None for r in mine)
+    keys = [(r["id"], r["part"]) for r in trainer]
+    assert len(keys) == len(set(keys)), "a sample's trainer row written twice"
+    by_id = {r["id"]: r for r in trainer}
+    assert set(by_id) == set(ids), "every traced rollout trained on, and only those"
+    gaps = []
+    for row in rollouts:
+        seen = by_id[row["id"]]
+        assert seen["step"] == row["step"]
+        sampled = [lp for turn in row["turns"] for lp in turn["logprobs"]]
+        assert len(seen["logprobs"]) == len(seen["entropy"]) == len(seen["masked"]) == len(sampled), row["id"]
+        if row["step"] == 0:
+            gaps += [abs(a - b) for a, b in zip(sampled, seen["logprobs"])]
+    assert gaps and sum(gaps) / len(gaps) < mismatch_at_0, sum(gaps) / len(gaps)
+    assert_no_secret_in_traces(run_dir)
+    return rollouts
+
+
+def assert_no_secret_in_traces(run_dir) -> None:
+    """No key of the run (each process's resolved config holds the inference API key and the
+    transport's CURVE keys the launcher drew for it) appears in its trace files."""
+    from prime_rl.keys import secret_values
+    from prime_rl.rundir import configs_dir
+    from prime_rl.traces import trace_files
+
+    secrets = {s for path in Path(configs_dir(run_dir)).glob("*.json") for s in secret_values(json.loads(path.read_text()))
+               if len(s) >= 8}
+    assert secrets, "the run's configs hold its keys"
+    text = "".join(path.read_text() for path in trace_files(run_dir))
+    assert text and not [s for s in secrets if s in text]

@@ -2,9 +2,13 @@
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
+import threading
+import time
 
+import psutil
 import pytest
 from helpers import REPO
 
@@ -340,9 +344,6 @@ def test_the_disjoint_long_tail_target_reads_its_own_regime(tmp_path):
 def test_pin_tree_keeps_each_process_of_a_tree_to_its_roles_cores():
     """A process whose command line names a role lands on that role's cores, every thread of
     it; a process of no listed role is left alone."""
-    import os
-    import threading
-
     from benchmarks.profile import pin_tree
 
     code = "import threading, time; threading.Thread(target=time.sleep, args=(30,)).start(); time.sleep(30)"
@@ -351,10 +352,6 @@ def test_pin_tree_keeps_each_process_of_a_tree_to_its_roles_cores():
     stop = threading.Event()
     try:
         threading.Thread(target=pin_tree, args=(tree.pid, {"orchestrator": [1]}, stop), daemon=True).start()
-        import time
-
-        import psutil
-
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
             kids = {" ".join(p.cmdline()[-1:]): p for p in psutil.Process(tree.pid).children()}
@@ -370,3 +367,20 @@ def test_pin_tree_keeps_each_process_of_a_tree_to_its_roles_cores():
             p.kill()
         tree.kill()
         tree.wait()
+
+
+def test_the_trace_cost_target_and_its_section_read_the_traces_results(tmp_path):
+    """benchmarks.traces: the share is the traces' work (orchestrator + trainer) over the traced
+    runs' seconds per step; the targets table judges it against 2%."""
+    from benchmarks.traces import markdown
+
+    result = {"orchestrator_ms": 3.0, "trainer_ms": 1.0, "s_per_step": {"on": 0.4, "off": 0.39},
+              "runs": {"on": [0.4, 0.41], "off": [0.39, 0.38]}, "target": 0.02}
+    result.update(share_of_step=(3.0 + 1.0) / 1e3 / 0.4, on_over_off=0.4 / 0.39)
+    result["holds"] = result["share_of_step"] < 0.02
+    lines = markdown(result)
+    assert "| **trace work / s per step** | **1.00%** (holds) |" in lines
+    assert "| quickstart s/step, traces on (runs: 0.400, 0.410) | 0.400 |" in lines
+    (tmp_path / "traces.json").write_text(json.dumps(result))
+    rows = {name: (value, holds) for name, value, holds in bench.targets(tmp_path)}
+    assert rows["rollout traces: their work < 2% of a quickstart step (issue 37)"] == (0.01, True)

@@ -12,6 +12,7 @@ import sys
 import time
 
 import pytest
+from prime_rl.traces import read_traces, rollout_traces_path
 
 from helpers import REPO, free_port, new_tag, tagged_processes
 from rich.console import Console
@@ -407,14 +408,16 @@ tool_call_parser = "hermes"
         (folder,) = (out / f"{env}--{str(tool_model).strip('/').replace('/', '--')}").iterdir()
         rows[env] = [json.loads(line) for line in (folder / "results.jsonl").read_text().splitlines()]
         summaries[env] = json.loads((folder / "summary.json").read_text())
-    return rows, summaries, tagged_processes(tag)
+    (run,) = (out / "runs").iterdir()
+    traces = read_traces(rollout_traces_path(run))
+    return rows, summaries, tagged_processes(tag), traces
 
 
 def test_eval_of_a_local_model_with_real_vllm(local_eval):
     """reverse-text in the local eval (``local_eval``): each saved reward is the environment's
     scoring of the saved completion (LCS ratio of the last reply and the reversed prompt), and
     the summary is that of results.jsonl."""
-    rows, summaries, left = local_eval
+    rows, summaries, left, _ = local_eval
     rows, summary = rows["reverse-text"], summaries["reverse-text"]
     assert len(rows) == 6 and all(0.0 <= r["reward"] <= 1.0 for r in rows)
     assert sorted((r["example_id"], r["rollout"]) for r in rows) == [(e, k) for e in sorted({r["example_id"] for r in rows}) for k in (0, 1)]
@@ -433,12 +436,26 @@ def test_eval_runs_both_tool_environments_with_vllm_parsing_the_calls(local_eval
     """wiki-search and math-python in one `prime-rl eval` of a local model (``local_eval``):
     vLLM serves it with the hermes parser, the tool-warmed model's calls are parsed and run
     (search results, sandboxed Python), and every rollout is saved with its tool metrics."""
-    rows, _, left = local_eval
+    rows, _, left, _ = local_eval
     for env in ("wiki-search", "math-python"):
         assert len(rows[env]) == 4 and all(0.0 <= r["reward"] <= 1.0 for r in rows[env])
         assert all("total_tool_calls" in r["metrics"] for r in rows[env])
     assert sum(r["metrics"]["total_tool_calls"] for r in rows["wiki-search"]) > 0
     assert left == [], "no child process may survive the eval"
+
+
+def test_every_rollout_of_an_eval_is_traced_with_its_tokens(local_eval):
+    """`prime-rl eval` traces every rollout (kind `eval`) in OUTPUT_DIR/runs/<run>/traces/ for
+    `prime-rl dashboard`: the same rewards and completions as results.jsonl, with the exact
+    tokens vLLM sampled."""
+    rows, _, _, traces = local_eval
+    assert traces.skipped == 0 and len(traces.rows) == sum(len(r) for r in rows.values()) == 14
+    for env, saved in rows.items():
+        traced = [t for t in traces.rows if t["env"] == env]
+        assert all(t["kind"] == "eval" and t["step"] == 0 and t["advantage"] is None for t in traced)
+        assert sorted(t["reward"] for t in traced) == sorted(r["reward"] for r in saved)
+        assert sorted(json.dumps(t["completion"]) for t in traced) == sorted(json.dumps(r["completion"]) for r in saved)
+        assert all(t["turns"] and all(len(turn["tokens"]) == len(turn["logprobs"]) for turn in t["turns"]) for t in traced)
 
 
 def test_eval_of_a_tool_environment_needs_a_tool_call_parser(tmp_path, tiny_model):

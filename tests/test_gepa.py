@@ -215,6 +215,14 @@ def test_prime_rl_gepa_with_stand_in_endpoints_for_both_roles(tmp_path):
     assert meta["model"] == "fake-model" and meta["reflection_model"] == "fake-teacher" and meta["budget"]["used"] <= 63
     assert len((folder / "pareto_frontier.jsonl").read_text().splitlines()) == 6
     assert auth == {"Bearer k1"}, "the rollout endpoint's key comes from its variable"
+    # every rollout GEPA ran is traced, with the candidate prompt it tried, for `prime-rl dashboard`
+    from prime_rl.traces import read_traces, rollout_traces_path
+
+    (run,) = (tmp_path / "gepa" / "runs").iterdir()
+    traces = read_traces(rollout_traces_path(run))
+    assert traces.skipped == 0 and len(traces.rows) == meta["budget"]["used"]
+    assert all(t["kind"] == "gepa" and t["env"] == "reverse-text" and t["candidate"] for t in traces.rows)
+    assert any(INSTRUCTION in t["candidate"] for t in traces.rows) and len({t["id"] for t in traces.rows}) == len(traces.rows)
 
 
 def test_an_interrupted_search_saves_what_it_has_and_says_so(tmp_path):

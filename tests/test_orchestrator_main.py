@@ -17,6 +17,8 @@ from orchestrator.data import ExampleOrder
 from fake_inference import FakeInferenceServer
 from orchestrator.main import WEIGHTS_POLL_S, main, resume, sync_policy
 from orchestrator.progress import Cursor, StepRecord, save_record
+from orchestrator.traces import TraceWriter
+from prime_rl.traces import read_traces, rollout_traces_path
 
 from helpers import free_port, orchestrator_process
 
@@ -103,19 +105,23 @@ class RecordingSender:
 
 
 def test_resume_on_another_rank_count_repacks_the_recorded_batches(tmp_path, capsys):
-    """Step 1's record, made for 2 trainer ranks, is re-sent to the 1 rank the run now has."""
+    """Step 1's record, made for 2 trainer ranks, is re-sent to the 1 rank the run now has;
+    its trace rows are written again (the launcher's rewind dropped them)."""
     items = [ScoredRollout(single(example_id=i // 2), float(i), 1) for i in range(4)]
     batches = pack_batches(items, step=1, num_ranks=2, micro_batch_size=2, temperature=1.0, seq_len=16)
     data = {"seed": 0, "dataset_sizes": [10], "weights": [1.0], "examples_per_step": 2}
     frames = [encode_batch(b) for b in batches]
     save_record(tmp_path, StepRecord(step=1, frames=frames, before=Cursor({"counts": [2]}), after=Cursor({"counts": [4]}),
-                                     picks=[(0, 2), (0, 3)], min_version=1, max_version=1, data=data))
+                                     picks=[(0, 2), (0, 3)], min_version=1, max_version=1, data=data,
+                                     traces=['{"id":"train-1-0-0","step":1}']))
     cfg = OrchestratorConfig(output_dir=tmp_path, batch_size=4, rollouts_per_example=2, micro_batch_size=2,
                              ckpt={"resume_step": 1})
     sender = RecordingSender()
     cursor = Cursor({"counts": [4]}, [])
-    assert resume(cfg, data, ExampleOrder([10], seed=0), sender, Metrics("orchestrator", [])) == (2, 1, cursor)
+    traces = TraceWriter(tmp_path, cfg.traces, None, cfg.seq_len)
+    assert resume(cfg, data, ExampleOrder([10], seed=0), sender, Metrics("orchestrator", []), traces) == (2, 1, cursor)
     assert "re-packed step 1's batch from 2 ranks to 1" in capsys.readouterr().out
+    assert [r["id"] for r in read_traces(rollout_traces_path(tmp_path)).rows] == ["train-1-0-0"]
     ((rank, step, frame),) = sender.sent
     batch = decode_batch(frame, expected_step=1, expected_rank=0)
     assert (rank, step) == (0, 1)

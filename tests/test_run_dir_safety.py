@@ -13,7 +13,7 @@ from helpers import REPO, crashed_run, free_port_pair
 from prime_rl.cli import main
 from prime_rl.rundir import RUN_MARKER, write_run_marker
 
-STATE = ("logs", "weights", "wandb", "metrics.jsonl")
+STATE = ("logs", "weights", "wandb", "traces", "metrics.jsonl")
 
 
 def write_config(tmp_path: Path, tiny_model: Path, run: Path) -> Path:
@@ -27,7 +27,7 @@ def write_config(tmp_path: Path, tiny_model: Path, run: Path) -> Path:
 
 def someone_elses_folder(folder: Path) -> None:
     """A folder that merely looks like a run: what a user keeps there, under a run's names."""
-    for name in ("logs", "weights", "wandb"):
+    for name in ("logs", "weights", "wandb", "traces"):
         (folder / name).mkdir(parents=True)
         (folder / name / "precious.txt").write_text("keep me")
     (folder / "metrics.jsonl").write_text('{"mine": 1}\n')

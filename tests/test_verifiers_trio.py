@@ -17,7 +17,7 @@ import pytest
 from prime_rl.launch.launcher import tail
 from prime_rl.rundir import MARKER, log_path, metrics_path, read_jsonl, weights_step_dir
 
-from helpers import finish, kill_mid_run, start_launcher, tagged_processes, trio_toml
+from helpers import assert_traced, finish, kill_mid_run, start_launcher, tagged_processes, trio_toml
 from verifiers_venvs import CLASSIC, V1
 from verifiers_venvs import verifiers_venv
 
@@ -68,7 +68,11 @@ def test_lora_on_a_classic_multi_turn_env_trains_in_the_trio_and_resumes_after_i
     assert all(r["loss/mismatch_kl"] < 1e-3 for r in trainer), [r["loss/mismatch_kl"] for r in trainer]
     assert sorted(p.name for p in weights_step_dir(run_dir, MAX_STEPS).iterdir()) == [
         MARKER, "adapter_config.json", "adapter_model.safetensors"]
+    # the worker's rollouts are traced like the built-ins', across the kill and the resume
+    for row in assert_traced(run_dir, MAX_STEPS, rollouts_per_example=4):
+        assert [m["role"] for m in row["completion"]].count("assistant") == 3 and len(row["turns"]) == 3
     # step 2: the checkpoint's adapter, loaded at the resumed vLLM's start; step 3: one loaded at run time
+
     for step in (2, 3):
         to_adapter, to_base = served_logprob_gaps(run_dir, tiny_model, step)
         print(f"step {step}: served vs peft with its adapter, max gap {to_adapter:.2e}; vs the base model, mean gap {to_base:.3f}")

@@ -5,6 +5,7 @@ import re
 import msgspec
 import numpy as np
 import pytest
+from prime_rl.traces import MAX_ID_CHARS
 
 from prime_rl.wire import (
     SCHEMA_VERSION,
@@ -147,9 +148,11 @@ def test_deep_nesting_under_an_unknown_key_is_a_wire_error():
 
 
 def test_max_frame_bytes_bounds_a_full_frame():
+    """Every sample traced, each with the longest trace id the wire accepts."""
     seq_len, n = 64, 10
     samples = [make_sample(np.arange(seq_len), np.ones(seq_len), -np.ones(seq_len), advantage=-1.5, reward=0.25,
-                           policy_version=2**40, example_id=2**40) for _ in range(n)]
+                           policy_version=2**40, example_id=2**40, trace_id="x" * MAX_ID_CHARS, trace_part=2**40)
+               for _ in range(n)]
     frame = encode_batch(TrainBatch(SCHEMA_VERSION, 2**40, 0, 0.7, [MicroBatch(samples[:4]), MicroBatch(samples[4:])]))
     assert len(frame) <= max_frame_bytes(n, seq_len) < 2 * len(frame)
 

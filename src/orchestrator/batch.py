@@ -56,6 +56,9 @@ class ScoredRollout:
     """Distillation with `top_k`: per sample, the teacher's K most likely tokens (ids int32,
     logprobs float32, both [N, K]) at each of its N sampled tokens cut at ``seq_len``; None = not asked."""
 
+    trace_id: str | None = None
+    """Its id in `RUN/traces/` when traced (``orchestrator.traces``); the trainer traces its samples under it."""
+
 
 def rollout_tokens(rollout: Rollout, turns: list[Turn] | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(input_ids int32 [T], loss_mask uint8 [T], inference_logprobs float32 [T]) of the
@@ -84,7 +87,7 @@ def to_samples(scored: ScoredRollout, seq_len: int, per_turn: bool = False) -> l
     top = scored.teacher_top or (None,) * len(splits)
     if not len(teacher) == len(top) == len(splits):
         raise ValueError(f"example {scored.rollout.example_id}: {len(teacher)} teacher arrays for {len(splits)} samples")
-    return [to_sample(scored, seq_len, turns, t, k) for turns, t, k in zip(splits, teacher, top)]
+    return [to_sample(scored, seq_len, turns, t, k, part) for part, (turns, t, k) in enumerate(zip(splits, teacher, top))]
 
 
 def sample_turns(rollout: Rollout, per_turn: bool = False) -> list[list[Turn]]:
@@ -100,7 +103,7 @@ def sample_turns(rollout: Rollout, per_turn: bool = False) -> list[list[Turn]]:
 
 def to_sample(
     scored: ScoredRollout, seq_len: int, turns: list[Turn] | None = None, teacher_logprobs: np.ndarray | None = None,
-    teacher_top: tuple[np.ndarray, np.ndarray] | None = None,
+    teacher_top: tuple[np.ndarray, np.ndarray] | None = None, part: int = 0,
 ) -> Sample:
     ids, mask, logprobs = rollout_tokens(scored.rollout, turns)
     if min(len(ids), seq_len) < 2:  # the trainer predicts token t+1 from t: one token teaches nothing
@@ -116,6 +119,8 @@ def to_sample(
         last_policy_version=scored.last_policy_version,
         teacher_logprobs=teacher_logprobs,
         teacher_top=teacher_top,
+        trace_id=scored.trace_id,
+        trace_part=part,
     )
 
 

@@ -11,7 +11,9 @@ or a local model it serves with its own vLLM server. Then, top to bottom:
       each, every environment at once, with a progress bar counting rollouts;
   (d) one table per environment: mean reward (± std), metric means, pass@k when rewards are 0/1;
   (e) with ``save_results``: ``results.jsonl`` (a row per rollout) and ``summary.json`` per
-      environment in OUTPUT_DIR/<env>--<model>/<run>/.
+      environment in OUTPUT_DIR/<env>--<model>/<run>/;
+  (f) every rollout traced (kind `eval`, step 0) in OUTPUT_DIR/runs/<run>/traces/, for
+      `prime-rl dashboard OUTPUT_DIR/runs/<run>`.
 Exit codes: 0, 2 for a config error (e.g. an environment's args), 1 for a runtime failure
 (e.g. an endpoint still unreachable after the retries), one line saying why.
 This module knows nothing of training: no steps, no advantages, no trainer.
@@ -30,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 from prime_rl.config import EvalEnvConfig, EvalRunConfig
+from prime_rl.config.orchestrator import TracesConfig
 from prime_rl.envs import Environment, Example, ModelClient, Rollout
 from prime_rl.keys import redact
 from prime_rl.registry import PASS_PARSER
@@ -42,6 +45,7 @@ from rich.table import Table
 from orchestrator.entry import check_tool_parser, make_client, make_sampler, progress_bar, run_entry, start_loading_tokenizer
 from orchestrator.envs import load_env
 from orchestrator.rollouts import run_groups, summarize
+from orchestrator.traces import TraceWriter, env_secrets
 
 
 @dataclass
@@ -209,6 +213,22 @@ def summary(cfg: EvalRunConfig, result: EnvResult, started: float) -> dict:
     }
 
 
+def write_traces(cfg: EvalRunConfig, results: list[EnvResult], tokenizer) -> None:
+    """(f) every rollout as a trace row (``orchestrator.traces``) in the run's folder (none
+    without a run id: a config not started by `prime-rl eval`)."""
+    if cfg.run_id is None:
+        return
+    run_dir = cfg.output_dir / "runs" / cfg.run_id
+    writer = TraceWriter(run_dir, TracesConfig(groups="all"), tokenizer, cfg.inference.seq_len,
+                         secrets=[cfg.model_dump(mode="json"), env_secrets(cfg.target.api_key_var)])
+    try:
+        for result in results:
+            writer.write(writer.lines(writer.group_rows("eval", 0, result.name, result.groups, tag=result.name)))
+    except OSError as e:
+        raise write_failed("eval traces", writer.path, e) from e
+    log(f"traces of every rollout in {writer.path} (prime-rl dashboard {run_dir})")
+
+
 # --------------------------------------------------------------------------- entry point
 
 
@@ -240,6 +260,7 @@ def evaluate(argv: list[str]) -> None:
             for result in results:
                 # print, not rich: a path must not be wrapped at the console's width
                 print(f"[eval] {result.name}: results in {save_results(cfg, result, started)}/", flush=True)
+        write_traces(cfg, results, tokenizer)
     finally:
         for _, env in envs:
             env.close()

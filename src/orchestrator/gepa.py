@@ -35,6 +35,7 @@ import httpx
 import numpy as np
 from gepa.core.result import GEPAResult
 from prime_rl.config import ClientConfig, EvalTarget, GepaRunConfig
+from prime_rl.config.orchestrator import TracesConfig
 from prime_rl.envs import Environment, Example
 from prime_rl.keys import private_opener, redact
 from prime_rl.rundir import write_failed, write_json_atomic
@@ -48,6 +49,7 @@ from orchestrator.entry import (
 )
 from orchestrator.envs import load_env
 from orchestrator.gepa_adapter import COMPONENT, EnvironmentAdapter, NoSystemPrompt, seed_prompt
+from orchestrator.traces import TraceWriter, env_secrets
 
 
 def log(msg: str) -> None:
@@ -271,12 +273,15 @@ def optimize(cfg: GepaRunConfig, task: Task) -> int:
     check_reachable(cfg.reflection_client, cfg.reflection_target, "reflection")
     tokenizer = load_tokenizer(cfg.inference.model) if cfg.target.type == "local" else None
     client = make_client(cfg.client, cfg.target)
-    adapter = EnvironmentAdapter(task.env, make_sampler(cfg, client, tokenizer), cfg.gepa.state_columns)
+    run_dir = cfg.output_dir / "runs" / cfg.run_id
+    traces = TraceWriter(run_dir, TracesConfig(groups="all"), tokenizer, cfg.inference.seq_len, secrets=[
+        cfg.model_dump(mode="json"), env_secrets(cfg.target.api_key_var, cfg.reflection_target.api_key_var)])
+    adapter = EnvironmentAdapter(task.env, make_sampler(cfg, client, tokenizer), cfg.gepa.state_columns, traces, task.name)
     log(f"{task.name}: seed prompt {task.seed!r}; {len(task.train)} training, {len(task.val)} validation examples; "
         f"budget {cfg.gepa.max_calls} rollouts; model {cfg.target.model!r}, teacher {cfg.reflection_target.model!r}")
     started, interrupted, code, result = time.time(), False, 0, None
     bar = BudgetBar(progress_bar(Console(stderr=True)), cfg.gepa.max_calls)
-    search_log = SearchLog(cfg.output_dir / "runs" / cfg.run_id / "logs" / "search.log")
+    search_log = SearchLog(run_dir / "logs" / "search.log")
     log(f"the search's own log: {search_log.path}")
     teacher_client = make_chat_client(cfg.reflection_client, cfg.reflection_target)
     teacher = Teacher(teacher_client, adapter.loop)

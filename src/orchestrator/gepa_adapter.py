@@ -25,6 +25,8 @@ from gepa import EvaluationBatch
 from prime_rl.envs import Environment, Example, ModelClient, Rollout
 from prime_rl.envs.env import with_system_prompt
 
+from orchestrator.traces import TraceWriter
+
 COMPONENT = "system_prompt"
 """The one component GEPA evolves."""
 
@@ -49,13 +51,18 @@ class EnvironmentAdapter:
     propose_new_texts = None
     """No proposer of our own: GEPA's reflective one asks the teacher model."""
 
-    def __init__(self, env: Environment, client: ModelClient, state_columns: Sequence[str] = ()):
+    def __init__(self, env: Environment, client: ModelClient, state_columns: Sequence[str] = (), traces: TraceWriter | None = None,
+                 env_name: str = ""):
         self.env = env
         self.client = client
         self.state_columns = tuple(state_columns)
         self.loop = asyncio.new_event_loop()
         self.metric_calls = 0
         """Rollouts run so far (GEPA's budget counts the same)."""
+        self.traces, self.env_name = traces, env_name
+        """Every evaluation's rollouts are traced (kind `gepa`, its ``step`` the evaluation's
+        number, its ``candidate`` the prompt it tried); None = not traced."""
+        self.evaluations = 0
 
     def close(self) -> None:
         self.loop.close()
@@ -64,6 +71,10 @@ class EnvironmentAdapter:
         prompt = candidate[COMPONENT]
         rollouts = self.loop.run_until_complete(self._rollouts([with_system_prompt(e, prompt) for e in batch]))
         self.metric_calls += len(batch)
+        if self.traces is not None:
+            self.traces.write(self.traces.lines(self.traces.group_rows(
+                "gepa", self.evaluations, self.env_name, [[r] for r in rollouts], tag=self.env_name, candidate=prompt)))
+        self.evaluations += 1
         traces = [self.trace(e, r) for e, r in zip(batch, rollouts)] if capture_traces else None
         return EvaluationBatch(outputs=rollouts, scores=[r.reward for r in rollouts], trajectories=traces)
 

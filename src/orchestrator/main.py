@@ -25,6 +25,7 @@ Per step n (0..max_steps-1), top to bottom:
       groups, sampled by the starting model (`orchestrator.preflight`);
   (e) advantages within each example's group of rollouts;
   (e') with a distillation teacher, its logprob of every sampled token;
+  (e'') a few whole groups traced: readable rows in `RUN/traces/` (`orchestrator.traces`);
   (f) pack one batch per trainer rank, record it, send it;
   (g) log a metrics row (overall, and per environment); `time/step` spans (a)-(f).
 Each batch is recorded in `rollouts/step_n/` before it is sent (`orchestrator.progress`),
@@ -46,6 +47,7 @@ from __future__ import annotations
 import asyncio
 import sys
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -54,6 +56,7 @@ from prime_rl.chat import TemplateError
 from prime_rl.config import EnvConfig, OrchestratorConfig
 from prime_rl.envs import Environment
 from prime_rl.heartbeat import Heartbeat
+from prime_rl.keys import API_KEY_ENV
 from prime_rl.metrics import Metrics, make_metrics
 from prime_rl.registry import SET_PARSER
 from prime_rl.rundir import MARKER, latest_weights_step, weights_dir, weights_step_dir
@@ -81,10 +84,12 @@ from orchestrator.rollouts import function_figures, run_groups, summarize
 from orchestrator.sampler import TokenSampler, check_multi_turn_template
 from orchestrator.sender import BatchSender
 from orchestrator.teacher import Teacher, TeacherError
+from orchestrator.traces import TraceWriter, env_secrets
 
 CONSOLE_KEYS = ("reward/mean", "distill/reverse_kl", "policy/version", "staleness/max", "seq/completion_len_mean", "time/step")
 WEIGHTS_POLL_S = 0.1
 PROGRESS_POLL_S = 10.0
+RATE_WINDOW_S = 10.0
 
 
 # --------------------------------------------------------------------------- (a) policy sync
@@ -144,6 +149,24 @@ def check_async_bound(items: list[ScoredRollout], step: int, async_level: int) -
 # --------------------------------------------------------------------------- (f) metrics
 
 
+@dataclass
+class RateWindow:
+    """Sampled tokens per second over the last ``seconds`` of steps at least (all steps so far
+    until then). One step's rate is no rate a person can read with continuous batching: two
+    cuts close together make a step whose groups took almost no time since the last cut."""
+
+    seconds: float = RATE_WINDOW_S
+    steps: deque = field(default_factory=deque)
+    """(tokens, seconds) of the steps in the window, oldest first."""
+
+    def add(self, tokens: int, span_s: float) -> float:
+        """Add a step's tokens and the time they took; returns the window's rate."""
+        self.steps.append((tokens, span_s))
+        while len(self.steps) > 1 and sum(s for _, s in self.steps) - self.steps[0][1] >= self.seconds:
+            self.steps.popleft()
+        return sum(t for t, _ in self.steps) / max(sum(s for _, s in self.steps), 1e-9)
+
+
 def step_metrics(
     step: int,
     items: list[ScoredRollout],
@@ -154,6 +177,7 @@ def step_metrics(
     client_retries: int,
     requests_per_replica: list[int],
     rate_s: float | None = None,
+    window: RateWindow | None = None,
 ) -> dict[str, float | int]:
     rewards = np.array([item.rollout.reward for item in items])
     staleness = np.array([step - item.policy_version for item in items])
@@ -175,7 +199,7 @@ def step_metrics(
         "seq/completion_len_mean": float(completion_lens.mean()),
         "seq/len_max": int(total_lens.max()),
         "seq/truncated_frac": float((total_lens > cfg.seq_len).mean()),
-        "perf/tokens_per_s": float(completion_lens.sum() / max(generate_s if rate_s is None else rate_s, 1e-9)),
+        "perf/tokens_per_s": (window or RateWindow(0.0)).add(int(completion_lens.sum()), generate_s if rate_s is None else rate_s),
         "time/generate": generate_s,
         "time/wait_weights": sync.wait_s,
         "time/reload": sync.reload_s,
@@ -358,7 +382,7 @@ class StepBatch:
 
 
 async def step_batch(step: int, envs, sampler: TokenSampler, cfg: OrchestratorConfig, client: InferenceClient,
-                     generation: Generation, hb: Heartbeat) -> StepBatch:
+                     generation: Generation, hb: Heartbeat, traces: TraceWriter) -> StepBatch:
     """(a) the policy: with one step in flight, synced here, between steps; otherwise the
     weight follower loaded each new one meanwhile. (b) evaluation on its interval, with a
     policy the step may train on. (c)-(d) the step's groups, cut from the pool."""
@@ -372,7 +396,7 @@ async def step_batch(step: int, envs, sampler: TokenSampler, cfg: OrchestratorCo
         with hb.waiting(f"weights step {bound} for the evaluation at step {step}"):
             await pool.wait_for_version(bound, stall, cfg.weights_timeout_s)
         with hb.waiting(f"the evaluation at step {step}"):
-            eval_row = await evaluate(envs, sampler, cfg, client.version)
+            eval_row = await evaluate(envs, sampler, cfg, client.version, step, traces)
     with hb.waiting(f"step {step}'s {pool.k} groups (policy {client.version}, weights step >= {bound} needed)"):
         cut = await pool.cut(step, stall, cfg.weights_timeout_s, cfg.filter)
     return StepBatch(
@@ -420,6 +444,9 @@ async def run(cfg: OrchestratorConfig, envs: list[tuple[str, Environment]], toke
         tool_call_parser=cfg.tool_call_parser, teacher_system_prompt=cfg.teacher and cfg.teacher.system_prompt,
     )
     teacher = Teacher(cfg.teacher) if cfg.teacher is not None else None
+    rate = RateWindow()  # perf/tokens_per_s
+    traces = TraceWriter(cfg.output_dir, cfg.traces, tokenizer, cfg.seq_len, secrets=run_secrets(cfg), seed=cfg.seed,
+                         wandb=metrics.wandb_run, per_turn=cfg.multi_turn == "per_turn")
     hb = Heartbeat(cfg.output_dir, "orchestrator")
     sender, generation, delivered = None, None, False
     answers = asyncio.create_task(report_answers(client, hb))
@@ -427,14 +454,14 @@ async def run(cfg: OrchestratorConfig, envs: list[tuple[str, Environment]], toke
         sender = BatchSender(cfg.transport, cfg.num_trainer_ranks)  # bind early so trainer ranks can connect
         start, version, cursor = 0, 0, Cursor(order.state_dict())  # a fresh run: the initial model
         if cfg.ckpt.resume_step is not None:
-            start, version, cursor = resume(cfg, data, order, sender, metrics)
+            start, version, cursor = resume(cfg, data, order, sender, metrics, traces)
         startup_row = await prepare_servers(cfg, client, teacher, tokenizer, version, hb)
         generation = start_generation(cfg, envs, order, sampler, client, cursor.pending)
         generation.pool.fill(start)  # continuous: the first groups sample while the trainer starts
         for step in range(start, cfg.max_steps):
             step_start = time.perf_counter()
             # (a)-(d): the policy synced, evaluation on its interval, the step's groups
-            batch = await step_batch(step, envs, sampler, cfg, client, generation, hb)
+            batch = await step_batch(step, envs, sampler, cfg, client, generation, hb, traces)
             if batch.eval_row is not None:
                 metrics.log(step, batch.eval_row, process="eval")
             # (d') a fresh run's first groups, sampled by the starting model, are the preflight's sample
@@ -443,14 +470,18 @@ async def run(cfg: OrchestratorConfig, envs: list[tuple[str, Environment]], toke
                 metrics.log(0, preflight(checked, [name for name, _ in envs], cfg.preflight, log), process="preflight")
             # (e) advantages within each example's group, and the teacher's scores
             items, teacher_row = await score_step(batch, cfg, step, teacher, hb)
+            # (e'') a few whole groups traced; the trainer traces its view of the same samples
+            sizes = [len(group.rollouts) for group in batch.groups]
+            items = traces.mark(step, items, sizes)
+            trace_lines = traces.lines(traces.train_rows(step, items, sizes))
             # (f) one batch per trainer rank, recorded (for a resume) before it is sent
             frames = [encode_batch(b) for b in pack_step(items, step, cfg)]
             row = {**step_metrics(step, items, batch.sync, cfg, batch.generate_s, time.perf_counter() - step_start,
-                                  client.retries, client.requests_per_replica(), batch.rate_s),
+                                  client.retries, client.requests_per_replica(), batch.rate_s, rate),
                    **batch.row, **teacher_row, **startup_row}
             startup_row = {}
-            record = step_record(step, frames, cursor, batch, data, row) if record_progress else None
-            ship_step(step, frames, sender, cfg, record)
+            record = step_record(step, frames, cursor, batch, data, row, trace_lines) if record_progress else None
+            ship_step(step, frames, sender, cfg, record, traces, trace_lines)
             cursor = batch.cursor
             # (g) metrics; time/step covers the whole step, the record and the send included
             row["time/step"] = time.perf_counter() - step_start
@@ -464,7 +495,7 @@ async def run(cfg: OrchestratorConfig, envs: list[tuple[str, Environment]], toke
             with hb.waiting(f"the final weights (step {cfg.max_steps}) for the last evaluation"):
                 sync = await sync_policy(cfg.max_steps, client.version, cfg, client, async_level=0)
             with hb.waiting("the last evaluation"):
-                metrics.log(cfg.max_steps, await evaluate(envs, sampler, cfg, sync.version), process="eval")
+                metrics.log(cfg.max_steps, await evaluate(envs, sampler, cfg, sync.version, cfg.max_steps, traces), process="eval")
         delivered = True
     finally:
         answers.cancel()
@@ -511,17 +542,20 @@ async def score_step(batch: StepBatch, cfg: OrchestratorConfig, step: int, teach
         return await teacher.score(items, cfg.seq_len, cfg.multi_turn == "per_turn")
 
 
-def ship_step(step: int, frames: list[bytes], sender: BatchSender, cfg: OrchestratorConfig, record: StepRecord | None) -> None:
+def ship_step(step: int, frames: list[bytes], sender: BatchSender, cfg: OrchestratorConfig, record: StepRecord | None,
+              traces: TraceWriter, trace_lines: list[str]) -> None:
     """(f) the step's frames to the trainer ranks; with a ``record``, first into
-    `rollouts/step_n/`, which a resume re-sends from."""
+    `rollouts/step_n/`, which a resume re-sends from (its trace rows with it)."""
     if record is not None:
         save_record(cfg.output_dir, record)
         prune_records(cfg.output_dir)
+    traces.write(trace_lines, step)
     for rank, frame in enumerate(frames):
         sender.send_frame(rank, step, frame)
 
 
-def step_record(step: int, frames: list[bytes], before: Cursor, batch: StepBatch, data: dict, row: dict) -> StepRecord:
+def step_record(step: int, frames: list[bytes], before: Cursor, batch: StepBatch, data: dict, row: dict,
+                trace_lines: list[str]) -> StepRecord:
     """The step's batch and cursors, as `rollouts/step_n/` keeps them for a resume."""
     return StepRecord(
         step=step,
@@ -533,6 +567,7 @@ def step_record(step: int, frames: list[bytes], before: Cursor, batch: StepBatch
         max_version=max(group.last_version for group in batch.groups),
         data=data,
         metrics=row,
+        traces=trace_lines,
     )
 
 
@@ -548,9 +583,10 @@ def pack_step(items: list[ScoredRollout], step: int, cfg: OrchestratorConfig):
     )
 
 
-async def evaluate(envs: list[tuple[str, Environment]], sampler: TokenSampler, cfg: OrchestratorConfig, version: int) -> dict:
+async def evaluate(envs: list[tuple[str, Environment]], sampler: TokenSampler, cfg: OrchestratorConfig, version: int,
+                   step: int, traces: TraceWriter) -> dict:
     """`eval/<env>/...` figures on the first `eval.num_examples` of each eval split, and the
-    overall `eval/reward/mean`."""
+    overall `eval/reward/mean`; the chosen groups of each traced (kind `eval`)."""
     start = time.perf_counter()
     row: dict[str, float | int] = {"eval/policy_version": version}
     all_groups = []
@@ -559,6 +595,7 @@ async def evaluate(envs: list[tuple[str, Environment]], sampler: TokenSampler, c
         groups = await run_groups(env, sampler, examples, cfg.eval.rollouts_per_example)
         all_groups += groups
         row.update({f"eval/{name}/{key}": value for key, value in summarize(groups).items()})
+        traces.write(traces.lines(traces.group_rows("eval", step, name, groups, tag=name)))
     row["eval/reward/mean"] = summarize(all_groups)["reward/mean"]
     row["time/eval"] = time.perf_counter() - start
     log(f"eval with policy version {version}: mean reward {row['eval/reward/mean']:.3f}")
@@ -566,11 +603,11 @@ async def evaluate(envs: list[tuple[str, Environment]], sampler: TokenSampler, c
 
 
 def resume(
-    cfg: OrchestratorConfig, data: dict, order: ExampleOrder, sender: BatchSender, metrics: Metrics
+    cfg: OrchestratorConfig, data: dict, order: ExampleOrder, sender: BatchSender, metrics: Metrics, traces: TraceWriter
 ) -> tuple[int, int, Cursor]:
     """Continue after trainer checkpoint N: re-send the recorded batches sampled but not yet
-    trained on (with their metrics rows; re-packed if the trainer now has another number of
-    ranks) and restore the data cursor. Inference serves weights/step_N. Returns (first step
+    trained on (with their metrics rows and trace rows; re-packed if the trainer now has another
+    number of ranks) and restore the data cursor. Inference serves weights/step_N. Returns (first step
     to sample, policy version inference serves, the cursor: the order's state and the
     examples that were in flight, which are sampled first)."""
     step = cfg.ckpt.resume_step
@@ -584,8 +621,15 @@ def resume(
         for rank, frame in enumerate(frames):
             sender.send_frame(rank, record.step, frame)
         metrics.log(record.step, {**record.metrics, "resume/replayed": 1})
+        traces.write(record.traces)
     log(f"resumed at checkpoint step {step}: re-sent {len(plan.replay)} recorded batches, sampling from step {plan.next_step}")
     return plan.next_step, step, plan.cursor
+
+
+def run_secrets(cfg: OrchestratorConfig) -> list[dict]:
+    """What a trace must not show: the settings' secret-named values (``keys.scrub`` finds them)
+    and the keys the run reads from its environment."""
+    return [cfg.model_dump(mode="json"), env_secrets(API_KEY_ENV, cfg.teacher and cfg.teacher.api_key_env)]
 
 
 def log(msg: str) -> None:

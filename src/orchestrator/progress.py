@@ -5,6 +5,7 @@
       progress.json     data cursor before and after step n, the batch's examples, the
                         policy versions sampled with, the step's metrics row, the data order,
                         and (continuous batching) the examples started but in no batch yet
+      traces.jsonl      the step's trace rows (``orchestrator.traces``), written again on a replay
       STABLE            marker, written last
 
 With async_level >= 1 the orchestrator runs ahead of the trainer, so when the trainer
@@ -45,6 +46,7 @@ from prime_rl.wire import decode_batch, encode_batch
 from orchestrator.batch import pack_samples
 
 PROGRESS_FILE = "progress.json"
+TRACES_FILE = "traces.jsonl"
 
 
 class ResumeError(RuntimeError):
@@ -85,6 +87,10 @@ class StepRecord:
 
     metrics: dict = field(default_factory=dict)
 
+    traces: list[str] = field(default_factory=list)
+    """The step's trace rows as `RUN/traces/rollouts.jsonl` lines (a resume drops them there
+    and the replay writes them again); empty in records made before traces existed."""
+
     def meta(self) -> dict:
         """progress.json: everything but the frames, the cursors flat (the layout records
         have had since before ``Cursor``, so a resume reads older runs' records)."""
@@ -110,6 +116,8 @@ def save_record(run_dir: Path, record: StepRecord) -> Path:
         for rank, frame in enumerate(record.frames):
             (tmp / f"rank_{rank}.msgpack").write_bytes(frame)
         write_json_atomic(tmp / PROGRESS_FILE, record.meta())
+        if record.traces:
+            (tmp / TRACES_FILE).write_text("".join(line + "\n" for line in record.traces))
 
     return write_step_dir(rollouts_dir(run_dir), record.step, "rollouts", fill)
 
@@ -125,7 +133,9 @@ def load_record(run_dir: Path, step: int) -> StepRecord | None:
         cursors = {when: Cursor(meta.pop(f"cursor_{when}"), [tuple(p) for p in meta.pop(f"pending_{when}", [])])
                    for when in ("before", "after")}
         meta["picks"] = [tuple(p) for p in meta["picks"]]
-        return StepRecord(frames=frames, **cursors, **meta)
+        traces = folder / TRACES_FILE
+        lines = [line for line in traces.read_text().split("\n") if line.strip()] if traces.is_file() else []
+        return StepRecord(frames=frames, **cursors, **meta, traces=lines)
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ResumeError(f"unreadable orchestrator progress {folder}: {e}") from e
 

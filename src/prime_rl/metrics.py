@@ -105,6 +105,11 @@ class Metrics:
                 print(f"[{self.process}] metrics sink {type(sink).__name__} failed and is disabled: {e}", file=sys.stderr)
                 self.sinks.remove(sink)
 
+    @property
+    def wandb_run(self):
+        """The W&B run of this process's sink (for tables), or None without one."""
+        return next((sink.run for sink in self.sinks if isinstance(sink, WandbSink)), None)
+
     def close(self) -> None:
         for sink in self.sinks:
             try:

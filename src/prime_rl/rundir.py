@@ -8,6 +8,7 @@
       checkpoints/step_N/ + STABLE                    trainer checkpoint after N steps (model, optimizer, ...)
       rollouts/step_n/ + STABLE                       orchestrator progress: batch n as sent + its data cursor
       metrics.jsonl                                   one JSON row per process per step
+      traces/{rollouts,trainer}.jsonl                 a sample of the rollouts, readable (prime_rl.traces)
 
 A directory handoff is complete only once its marker exists; readers act on the
 marker alone. Writers fill ``step_N.tmp`` first and rename it.
@@ -46,6 +47,10 @@ def log_path(run: Path, process: str) -> Path:
 
 def metrics_path(run: Path) -> Path:
     return Path(run) / "metrics.jsonl"
+
+
+def traces_dir(run: Path) -> Path:
+    return Path(run) / "traces"
 
 
 def weights_dir(run: Path) -> Path:
@@ -187,6 +192,19 @@ def append_jsonl(path: Path, row: dict) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
         os.write(fd, line)
+    finally:
+        os.close(fd)
+
+
+def append_lines(path: Path, lines: list[str]) -> None:
+    """Append JSON lines (each without its newline) in one write, as ``append_jsonl`` does one."""
+    if not lines:
+        return
+    data = "".join(line + "\n" for line in lines).encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        while data:  # a regular file takes it in one write; a short write must not lose the rest
+            data = data[os.write(fd, data):]
     finally:
         os.close(fd)
 

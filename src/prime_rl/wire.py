@@ -20,14 +20,17 @@ import math
 import msgspec
 import numpy as np
 
+from prime_rl.traces import MAX_ID_CHARS
+
 SCHEMA_VERSION = 1
 
 BYTES_PER_TOKEN = 4 + 1 + 4 + 4
 """int32 id + uint8 mask + float32 logprob + float32 teacher logprob (distillation)."""
 BYTES_PER_TOP_K = 4 + 4
 """int32 id + float32 logprob of one of the teacher's top-k tokens at one sampled position."""
-BYTES_PER_SAMPLE = 256
-"""msgpack overhead of one sample beyond its buffers (field names, scalars; 114 bytes measured), with room."""
+BYTES_PER_SAMPLE = 384
+"""msgpack overhead of one sample beyond its buffers (field names, scalars: 224 bytes measured
+untraced, 240 with a 16-character trace id, ~355 with the longest one), with room."""
 
 DEFAULT_MAX_FRAME_BYTES = 64 * 2**20
 """`transport.max_message_bytes` when neither the config nor the launcher sets it."""
@@ -81,6 +84,13 @@ class Sample(msgspec.Struct, frozen=True):
     teacher_top_logprobs: bytes | None = None
     """float32 [N, K]: the teacher's logprobs of ``teacher_top_ids``."""
 
+    trace_id: str | None = None
+    """The rollout's id in `RUN/traces/rollouts.jsonl` when it is traced (``prime_rl.traces``):
+    the trainer then writes its view of the sample's tokens under this id; None = not traced."""
+
+    trace_part: int = 0
+    """Which of the rollout's samples this is (a rollout may train as several)."""
+
 
 class MicroBatch(msgspec.Struct, frozen=True):
     samples: list[Sample]
@@ -111,6 +121,8 @@ def make_sample(
     last_policy_version: int | None = None,
     teacher_logprobs: list[float] | np.ndarray | None = None,
     teacher_top: tuple[np.ndarray, np.ndarray] | None = None,
+    trace_id: str | None = None,
+    trace_part: int = 0,
 ) -> Sample:
     """``teacher_top``: (ids, logprobs), both [N, K], N = the loss-mask tokens (see ``Sample``)."""
     ids = np.asarray(input_ids, dtype="<i4")
@@ -140,6 +152,8 @@ def make_sample(
         teacher_top_k=0 if top_ids is None else int(top_ids.shape[1]),
         teacher_top_ids=None if top_ids is None else top_ids.tobytes(),
         teacher_top_logprobs=None if top_logprobs is None else top_logprobs.tobytes(),
+        trace_id=trace_id,
+        trace_part=int(trace_part),
     )
 
 
@@ -251,6 +265,10 @@ def _validate_sample(sample: Sample, where: str) -> None:
         _validate_teacher_top(sample, int(np.count_nonzero(np.frombuffer(sample.loss_mask, dtype=np.uint8))), where)
     if not (math.isfinite(sample.advantage) and math.isfinite(sample.reward)):
         raise WireError(f"{where}: advantage and reward must be finite")
+    if sample.trace_id is not None and not (0 < len(sample.trace_id) <= MAX_ID_CHARS and sample.trace_id.isprintable()):
+        raise WireError(f"{where}: trace_id must be 1 to {MAX_ID_CHARS} printable characters, got {sample.trace_id[:40]!r}")
+    if sample.trace_part < 0:
+        raise WireError(f"{where}: trace_part must be >= 0, got {sample.trace_part}")
     if sample.last_policy_version is not None and sample.last_policy_version < sample.policy_version:
         raise WireError(
             f"{where}: last_policy_version {sample.last_policy_version} is older than policy_version {sample.policy_version}"

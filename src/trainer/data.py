@@ -180,6 +180,7 @@ class MicroTensors:
     # The teacher's top-k at the N loss tokens (loss_mask[:, 1:] row-major): ids int64 / logprobs float32 [N, K]
     teacher_top_ids: torch.Tensor | None = None
     teacher_top_logprobs: torch.Tensor | None = None
+    traces: list[tuple[str, int] | None] | None = None  # each sample's (trace id, part) when traced (``trainer.traces``)
 
     @property
     def num_real_tokens(self) -> int:
@@ -253,6 +254,7 @@ def collate(
         teacher_logprobs=None if teacher is None else tensor(right_pad(teacher, 0.0, np.float32)),
         teacher_top_ids=None if top is None else tensor(top[0].astype(np.int64)),
         teacher_top_logprobs=None if top is None else tensor(top[1]),
+        traces=[(s.trace_id, s.trace_part) if s.trace_id is not None else None for s in micro.samples],
     )
 
 

@@ -34,6 +34,7 @@ from trainer.model import (
     DTYPES, World, forward_logits, load_model, packing_support, setup_world, shared_prefix_support, teardown_world, uses_varlen,
 )
 from trainer.optim import build_optimizer, clip_and_step
+from trainer.traces import sample_traces, write_traces
 from trainer.weights import save_weights
 
 CONSOLE_KEYS = (
@@ -106,8 +107,10 @@ def train(cfg: TrainerConfig) -> None:
             with heartbeat.waiting(f"batch of step {step} from {receiver.address}"):
                 batch = receiver.receive(step)
             t_batch = time.perf_counter()
-            # 2. one optimizer step over all micro-batches
-            stats = train_step(model, optimizer, scheduler, batch, cfg, world)
+            # 2. one optimizer step over all micro-batches (and the traced samples' view of their tokens)
+            traced: list[dict] = []
+            stats = train_step(model, optimizer, scheduler, batch, cfg, world, traced)
+            write_traces(cfg.output_dir, step, world.rank, traced)
             nonfinite = count_nonfinite(stats, nonfinite, cfg.max_nonfinite_steps, step)
             t_train = time.perf_counter()
             # 3. publish policy version `step + 1` (collective gather, rank 0 writes)
@@ -167,9 +170,11 @@ def count_nonfinite(stats: dict[str, float], streak: int, limit: int, step: int)
 
 
 def train_step(
-    model: nn.Module, optimizer, scheduler, batch: TrainBatch, cfg: TrainerConfig, world: World
+    model: nn.Module, optimizer, scheduler, batch: TrainBatch, cfg: TrainerConfig, world: World,
+    traced: list[dict] | None = None,
 ) -> dict[str, float]:
-    """Forward/backward every micro-batch, then clip and step. Returns step-wide stats."""
+    """Forward/backward every micro-batch, then clip and step. Returns step-wide stats; the
+    traced samples' rows (``trainer.traces``) go to ``traced``."""
     pad_id = getattr(model.config, "pad_token_id", None) or 0
     varlen = uses_varlen(model) and cfg.pack
     share = cfg.share_prefix and not varlen
@@ -184,7 +189,7 @@ def train_step(
     sums = torch.zeros(len(SUM_KEYS), dtype=torch.float64, device=world.device)  # float64: counts stay exact
     for i in range(num_micro):
         if i < len(micros):
-            sums += micro_step(model, micros[i], batch.temperature, cfg.loss, num_tokens, world.world_size)
+            sums += micro_step(model, micros[i], batch.temperature, cfg.loss, num_tokens, world.world_size, traced)
         else:
             lockstep_step(model, world)  # this rank ran out of micro-batches; FSDP needs equal passes
     grad_norm, lr = clip_and_step(model, optimizer, scheduler, cfg.optim.max_grad_norm)
@@ -255,9 +260,11 @@ def check_top_k(mt: MicroTensors, distill: DistillConfig | None) -> None:
 
 
 def micro_step(
-    model: nn.Module, mt: MicroTensors, temperature: float, loss_cfg: LossConfig, num_tokens: int, world_size: int
+    model: nn.Module, mt: MicroTensors, temperature: float, loss_cfg: LossConfig, num_tokens: int, world_size: int,
+    traced: list[dict] | None = None,
 ) -> torch.Tensor:
-    """Forward + backward one micro-batch; returns its SUM_KEYS vector (detached)."""
+    """Forward + backward one micro-batch; returns its SUM_KEYS vector (detached), and adds the
+    rows of its traced samples to ``traced``."""
     check_top_k(mt, loss_cfg.distill)
     # The head scores the N loss tokens only (trainer.head): logprobs [N] with gradient,
     # entropy [N] without, the top-k KL [N] when distilling with top_k.
@@ -274,6 +281,8 @@ def micro_step(
         loss = loss + loss_cfg.distill.kl_weight * top_kl.sum() / num_tokens
     # FSDP averages gradients over ranks; the loss is already a global token mean, so undo it.
     (loss * world_size).backward()
+    if traced is not None and mt.traces:
+        traced += sample_traces(mt.traces, trainer_lp, inference_lp, loss_mask, scores["entropy"], loss_cfg)
     values = {
         **stats,
         "loss_sum": loss.detach(),

@@ -31,6 +31,7 @@ from prime_rl.rundir import (
     rollouts_dir,
     run_marker_path,
     run_marker_problem,
+    traces_dir,
     weights_dir,
     write_failed,
     write_run_marker,
@@ -213,6 +214,7 @@ def run_state(run_dir: Path) -> tuple[Path, ...]:
     """What a run leaves in its directory, and `--clean` deletes (configs/ is rewritten anyway)."""
     return (
         weights_dir(run_dir), checkpoints_dir(run_dir), rollouts_dir(run_dir), metrics_path(run_dir), logs_dir(run_dir),
+        traces_dir(run_dir),
         run_dir / "wandb",  # W&B run ids: a fresh run starts fresh W&B runs
     )
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from prime_rl.config.shared import CheckpointConfig, ClientConfig, EnvConfig, MAX_TEACHER_TOP_K, SamplingConfig, StrictModel, TransportConfig, WandbConfig, check_env_names
 
@@ -53,6 +53,26 @@ class EvalConfig(StrictModel):
 
     rollouts_per_example: int = Field(1, ge=1)
     """Rollouts per example."""
+
+
+class TracesConfig(StrictModel):
+    """Rollouts written where a person can read them: `RUN/traces/` (`prime_rl.traces`), W&B's table, the dashboard."""
+
+    groups: int | Literal["all"] = 2
+    """Whole groups traced each step (chosen at random, seeded), and of each environment's evaluation; `all` = every rollout; 0 = none."""
+
+    @field_validator("groups", mode="before")
+    @classmethod
+    def _groups(cls, value):
+        """One error line, not one per member of the union; a flag's "3" reads as 3 (as pydantic reads an int field's)."""
+        if isinstance(value, str) and value.strip().isdigit():
+            value = int(value)
+        if value == "all" or (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+            return value
+        raise ValueError('expected a whole number of groups >= 0, or "all"')
+
+    wandb_interval: int = Field(10, ge=0)
+    """With W&B on, the traced rollouts of every this many steps as a table (`traces/rollouts`); 0 = never."""
 
 
 class AdvantageConfig(StrictModel):
@@ -144,6 +164,9 @@ class OrchestratorConfig(StrictModel):
 
     eval: EvalConfig = EvalConfig()
     """Evaluation during RL."""
+
+    traces: TracesConfig = TracesConfig()
+    """A sample of every step's rollouts in `RUN/traces/`, for people to read."""
 
     transport: TransportConfig = TransportConfig()
     """Where micro-batches go."""

@@ -7,7 +7,8 @@
   - the orchestrator's progress record of step N-1 or N under `rollouts/`.
 Everything the run did after step N is then undone, so every later step is trained
 exactly once and logged once: newer weights and checkpoints (and half-written `.tmp`
-folders) are deleted and metrics rows of steps >= N are dropped. The orchestrator decides
+folders) are deleted and metrics rows of steps >= N are dropped, and so are trace rows
+(`prime_rl.traces`) of steps >= N: the orchestrator writes those of the batches it re-sends again. The orchestrator decides
 itself which of its recorded batches it re-sends (`orchestrator.progress`).
 
 Nothing is deleted before everything is checked: a damaged metrics line refuses the resume,
@@ -36,6 +37,7 @@ from prime_rl.rundir import (
     weights_dir,
     weights_step_dir,
 )
+from prime_rl.traces import trace_files
 
 
 class ResumeRefused(ValueError):
@@ -98,7 +100,31 @@ def rewind(run_dir: Path, step: int) -> list[str]:
     if dropped:
         rewrite_lines(metrics, kept)
         removed.append(f"{dropped} metrics rows of steps >= {step}")
+    for path in trace_files(run_dir):
+        if dropped := drop_trace_rows(path, step):
+            removed.append(f"{dropped} trace rows of steps >= {step} in {path.name}")
     return removed
+
+
+def drop_trace_rows(path: Path, step: int) -> int:
+    """Rewrite a trace file without its rows of steps >= ``step`` and without a torn last line;
+    returns how many lines went. Unlike metrics, a damaged line in the middle is kept as it is
+    (traces are for reading: a reader skips it, and it is not the resume's to judge)."""
+    if path.is_symlink() or not path.is_file():
+        return 0
+    *lines, last = path.read_bytes().split(b"\n")
+    kept = []
+    for line in lines:
+        try:
+            later = parse_row(line).get("step", -1) >= step
+        except BadRow:
+            later = False
+        if line.strip() and not later:
+            kept.append(line)
+    dropped = len([line for line in lines if line.strip()]) - len(kept) + bool(last.strip())
+    if dropped:
+        rewrite_lines(path, kept)
+    return dropped
 
 
 def drop_metrics_from(path: Path, step: int) -> int:
