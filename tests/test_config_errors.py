@@ -35,6 +35,10 @@ CASES = [
     ("async_level = -1\n", [], "async_level: Input should be greater than or equal to 0"),
     ("batch_size = 10\nrollouts_per_example = 4\n", [], "batch_size (10) must be divisible by rollouts_per_example (4)"),
     ("[sampling]\ntemperature = 0\n", [], "sampling.temperature: Input should be greater than 0"),
+    ("[orchestrator.traces]\ngroups = -1\n", [], "orchestrator.traces.groups"),
+    ("[orchestrator.traces]\ngroups = 'some'\n", [], "orchestrator.traces.groups"),
+    ("[dashboard]\nport = 0\n", [], "dashboard.port: Input should be greater than or equal to 1"),
+    ("[dashboard]\nenable = true\n", [], "unknown key `enable` in [dashboard]"),
     # truncated sampling: the trainer scores the full softmax
     ("[sampling]\ntop_p = 0.8\n", [], "top_p = 0.8: truncated sampling is not supported in RL"),
     ("[sampling]\ntop_k = 20\n", [], "top_k = 20: truncated sampling is not supported in RL"),

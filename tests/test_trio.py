@@ -14,7 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from helpers import REPO, finish, free_port, kill_mid_run, mask_spans, new_tag, resume, start_launcher, tagged_processes, trio_toml
+from helpers import (
+    REPO, assert_traced, finish, free_port, kill_mid_run, mask_spans, new_tag, resume, start_launcher, tagged_processes, trio_toml,
+)
 from orchestrator.data import ExampleOrder
 from orchestrator.envs import load_env
 from orchestrator.progress import load_record
@@ -83,6 +85,7 @@ def assert_trained_and_handed_off(run_dir) -> None:
     assert trainer[0]["loss/mismatch_kl"] < 1e-3, trainer[0]
     assert (weights_step_dir(run_dir, MAX_STEPS) / MARKER).is_file()
     assert_preflight_read_step_0(rows, groups_per_step=16 // 4)  # trio_toml's batch_size // rollouts_per_example
+    assert_traced(run_dir, MAX_STEPS, rollouts_per_example=4)  # trio_toml's
 
 
 def assert_preflight_read_step_0(rows: list[dict], groups_per_step: int) -> None:
@@ -102,7 +105,9 @@ MULTI_TURN_ARGS = {"min_turns": 2, "max_turns": 2, "max_names_per_turn": 2, "num
 MULTI_TURN_ENV = f"""id = "primeintellect/alphabet-sort"
 args = {{ {", ".join(f"{k} = {v}" for k, v in MULTI_TURN_ARGS.items())} }}"""
 MULTI_TURN_MAX_TOKENS = 12
-PANES = ["inference", "orchestrator", "trainer", "status"]
+EVAL = "\n[eval]\ninterval = 2\nnum_examples = 2\n"
+"""The tmux run evaluates at steps 0 and 2 and after the last: two examples, one rollout each."""
+PANES = ["inference", "orchestrator", "trainer", "dashboard", "status"]
 
 
 @dataclass
@@ -144,16 +149,17 @@ def watch_panes(proc, server, session_name: str, drawn: Path) -> set[str]:
 
 @pytest.fixture(scope="module")
 def tmux_run(tmp_path_factory, sampling_defaults_model) -> TmuxRun:
-    """One real trio run carries three capabilities' checks (one vLLM start, not three): tmux
-    mode (the test below), a sound run on a model whose generation_config.json truncates
-    sampling (``assert_trained_and_handed_off``) and two-turn alphabet-sort trained on exactly
-    the sampled tokens. The model is the tiny one with only that file changed (same weights
-    and tokenizer)."""
+    """One real trio run carries several capabilities' checks (one vLLM start, not several):
+    tmux mode with the dashboard's pane (the test below), a sound run on a model whose
+    generation_config.json truncates sampling (``assert_trained_and_handed_off``), two-turn
+    alphabet-sort trained on exactly the sampled tokens, and traced evaluations. The model is
+    the tiny one with only that file changed (same weights and tokenizer)."""
     import libtmux
 
     tmp_path = tmp_path_factory.mktemp("tmux")
     proc, run_dir, tag = launch(tmp_path, sampling_defaults_model, f"tmux-{os.getpid()}", env=MULTI_TURN_ENV, seq_len=768,
-                                max_tokens=MULTI_TURN_MAX_TOKENS)
+                                max_tokens=MULTI_TURN_MAX_TOKENS,
+                                extra=EVAL + f"\n[dashboard]\nenabled = true\nport = {free_port()}\n")
     session_name = f"prime-rl-{run_dir.name}"
     server, drawn = libtmux.Server(), tmp_path / "status-pane.txt"
     seen = watch_panes(proc, server, session_name, drawn)
@@ -163,9 +169,11 @@ def tmux_run(tmp_path_factory, sampling_defaults_model) -> TmuxRun:
 
 
 def test_tmux_mode_shows_one_pane_per_process(tmux_run):
-    """The real trio in tmux: one pane per process following its log and the `status` pane
-    drawing the steps from metrics.jsonl, the session gone after the run, nothing left running."""
+    """The real trio in tmux: one pane per process following its log (the dashboard's, started
+    by `[dashboard] enabled`, among them) and the `status` pane drawing the steps from
+    metrics.jsonl, the session gone after the run, nothing left running."""
     assert tmux_run.seen == set(PANES), tmux_run.seen
+    assert "[prime-rl] dashboard: http://127.0.0.1:" in tmux_run.out
     # The status pane drew the steps from metrics.jsonl (it redraws when rows arrive)
     assert f"/ {MAX_STEPS}" in tmux_run.drawn and "reward " in tmux_run.drawn, tmux_run.drawn
     assert f"tmux attach -t {tmux_run.session_name}" in tmux_run.out
@@ -219,6 +227,22 @@ def test_multi_turn_trio_trains_exactly_the_sampled_tokens(tmux_run, sampling_de
     assert trainer[0]["loss/mismatch_kl"] < 1e-3, trainer[0]
     orchestrator = [r for r in read_jsonl(metrics_path(run_dir)) if r["process"] == "orchestrator"]
     assert all(r["seq/turns_mean"] == 2 and "reward/alphabet-sort/mean" in r for r in orchestrator)
+    # the traces show both turns of a rollout in order, the follow-up between them
+    for row in assert_traced(run_dir, MAX_STEPS, rollouts_per_example=4):
+        assert [m["role"] for m in row["completion"]] == ["assistant", "user", "assistant"] and len(row["turns"]) == 2
+        assert all(len(turn["tokens"]) == len(turn["completion_ids"]) == len(turn["logprobs"]) for turn in row["turns"])
+        assert row["turns"][0]["tokens"][:1] == [tok.decode(row["turns"][0]["completion_ids"][:1])]
+
+
+def test_evaluations_during_rl_are_traced(tmux_run):
+    """`[eval] interval = 2` on the tmux run: the evaluations at steps 0, 2 and after the last
+    step each trace their two groups (kind `eval`, no advantage), in the run's trace file."""
+    from prime_rl.traces import read_traces, rollout_traces_path
+
+    evals = [r for r in read_traces(rollout_traces_path(tmux_run.run_dir)).rows if r["kind"] == "eval"]
+    assert sorted({r["step"] for r in evals}) == [0, 2, MAX_STEPS]
+    assert all(r["env"] == "alphabet-sort" and r["advantage"] is None and r["turns"] for r in evals)
+    assert len(evals) == 3 * 2 and len({r["id"] for r in evals}) == 6
 
 
 # --------------------------------------------------------------------------- kill, then resume
@@ -290,6 +314,9 @@ def assert_resumed_cleanly(run_dir, resume_step: int) -> None:
     dropped = sum(r.get("batch/stale_groups_dropped", 0) for r in orchestrator if r["step"] >= first)
     missing = set(reference[first * per_step + in_flight : RESUME_RUN["max_steps"] * per_step - in_flight]) - set(flat)
     assert len(missing) <= dropped, (missing, dropped)
+    # the traces too: every step's groups once (those of the re-sent batches written again after
+    # the rewind dropped them), each trained on once
+    assert_traced(run_dir, RESUME_RUN["max_steps"], RESUME_RUN["rollouts_per_example"])
 
 
 TEACHER = """
@@ -472,6 +499,10 @@ def test_tool_calling_trio_parses_calls_with_vllm_and_trains_only_the_model_toke
     assert sum(r["metrics/wiki-search/total_tool_calls"] for r in orchestrator) > 0
     trainer = [r for r in rows if r["process"] == "trainer"]
     assert trainer[0]["loss/mismatch_kl"] < 1e-3, trainer[0]
+    # the traces show the calls and the tool's replies in order, as a person reads the episode
+    traced = assert_traced(run_dir, 2, rollouts_per_example=4)
+    with_calls = [r for r in traced if any(m.get("tool_calls") for m in r["completion"])]
+    assert with_calls and all("tool" in [m["role"] for m in r["completion"]] for r in with_calls)
 
 
 # llama is slow-marked to keep the default suite near 20 minutes: packing's tests compare

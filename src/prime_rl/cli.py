@@ -8,6 +8,7 @@
     prime-rl gepa ENV_ID|CONFIG.toml [-m MODEL] [-M REFLECTION_MODEL] [...]       optimize a system prompt (GEPA)
     prime-rl export RUN_DIR [--step N] [--merge] [--output DIR]                   a run's weights, standalone
     prime-rl report RUN [RUN ...] [--output FILE] [--label NAME ...]              a run's curves as a PNG, runs overlaid
+    prime-rl dashboard [RUN ...] [--port N] [--host H]                           a live web page of runs and their rollouts
     prime-rl [inference|sft|eval|gepa] --help                                     every setting, with its doc
 
 Configs are validated, and model paths checked, before any process starts; a bad
@@ -24,7 +25,7 @@ import sys
 from collections.abc import Callable
 
 from prime_rl.commands import evaluate
-from prime_rl.commands import export, gepa, inference, report, rl, sft
+from prime_rl.commands import dashboard, export, gepa, inference, report, rl, sft
 from prime_rl.commands.evaluate import load_eval_config  # noqa: F401 - the eval command's config, for tests and scripts
 from prime_rl.launch.resolve import resolve_eval  # noqa: F401 - likewise
 from prime_rl.settings import ConfigError
@@ -45,6 +46,7 @@ COMMANDS: dict[str, Callable[[list[str]], int]] = {
     "gepa": gepa.main,
     "export": export.main,
     "report": report.main,
+    "dashboard": dashboard.main,
     "slurm-node": slurm_node,
 }
 

@@ -14,7 +14,7 @@ from prime_rl.launch import warm
 from prime_rl.commands.common import RL_OUTPUT_DIR, checked_output_dir, make_dir, planned, print_help, take_resume_step
 from prime_rl.config import RLConfig
 from prime_rl.launch.deployment import (
-    Placement, count_gpus, describe, gpu_memory_bytes, plan_single_node, process_specs, rl_bindings,
+    Placement, count_gpus, dashboard_url, describe, gpu_memory_bytes, plan_single_node, process_specs, rl_bindings,
 )
 from prime_rl.launch.launcher import run, tmux_available
 from prime_rl.launch.memory import estimate_run
@@ -111,6 +111,8 @@ def main(argv: list[str]) -> int:
         raise
     use_tmux = "--no-tmux" not in launcher_flags and tmux_available()
     workers = tuple(f"env-{env.metric_name}" for env in config.orchestrator.env if env.python is not None)
+    if (url := dashboard_url(config, specs)) is not None:
+        print(f"[prime-rl] dashboard: {url}", flush=True)
     with leases:  # given back whatever the run's end, each only if still this run's; a warm server is left running
         return run(run_dir, specs, use_tmux, session_name=f"prime-rl-{run_dir.name}", follow=workers, watchdog=config.watchdog,
                    status=StatusOptions.of(config, quiet="--quiet" in launcher_flags))

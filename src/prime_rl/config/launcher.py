@@ -1,5 +1,5 @@
 """The launcher's config: an RL run's root (`prime-rl CONFIG.toml`: the shared fields, the three processes' sections) and
-the sections only the launcher reads (`[deployment]`, `[slurm]`, `[teacher]`, `[watchdog]`, `[status]`).
+the sections only the launcher reads (`[deployment]`, `[slurm]`, `[teacher]`, `[watchdog]`, `[status]`, `[dashboard]`).
 
 Never imports torch or vLLM (the launcher validates configs before any process starts)."""
 
@@ -152,6 +152,19 @@ class StatusConfig(StrictModel):
     """Seconds between redraws of the tmux session's `status` pane."""
 
 
+class DashboardConfig(StrictModel):
+    """The run's web page (`[dashboard]`, `prime-rl dashboard`): metrics, status and the traced rollouts, live."""
+
+    enabled: bool = False
+    """Start the page beside the run (a process of its own, with a tmux pane; the launcher prints its URL)."""
+
+    port: int = Field(8265, ge=1, le=65535)
+    """Port it listens on."""
+
+    host: str = "127.0.0.1"
+    """Address it listens on; any other than loopback needs the token the launcher prints in the URL."""
+
+
 class WatchdogConfig(StrictModel):
     """The launcher's watchdog (`[watchdog]`): it reads every process's heartbeat
     (`RUN/logs/<process>.heartbeat.json`) and speaks up when none of them makes progress."""
@@ -257,6 +270,9 @@ class RLConfig(StrictModel):
 
     status: StatusConfig = StatusConfig()
     """The run's status: the tmux session's `status` pane, a headless run's periodic summary."""
+
+    dashboard: DashboardConfig = DashboardConfig()
+    """The run's web page (off unless enabled)."""
 
     teacher: TeacherConfig | None = None
     """The teacher of on-policy distillation (`[teacher]`, with `[trainer.loss.distill]`); None = none."""

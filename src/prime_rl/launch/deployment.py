@@ -18,6 +18,7 @@ This module plans and writes each process's config; ``prime_rl.launch.launcher``
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import subprocess
 import sys
@@ -30,6 +31,7 @@ from prime_rl.config import InferenceConfig, RLConfig
 from prime_rl.keys import holds_secret
 from prime_rl.launch.launcher import ProcessSpec
 from prime_rl.launch.ports import Binding
+from prime_rl.observe.dashboard import DASHBOARD_TOKEN_ENV, is_loopback, page_url
 from prime_rl.rundir import config_path, write_json_atomic
 from prime_rl.launch.teacher import teacher_inference
 from prime_rl.vllm_command import shell_line
@@ -253,6 +255,8 @@ def rl_bindings(config: RLConfig, placement: Placement, serve: bool = True) -> l
         bindings.append(Binding(host, transport.port + rank, "transport.port" + (f" + {rank} (trainer rank {rank})" if rank else "")))
     if placement.teacher is not None:
         bindings.append(Binding(placement.teacher.host, placement.teacher.port, "teacher.port"))
+    if config.dashboard.enabled:
+        bindings.append(Binding(config.dashboard.host, config.dashboard.port, "dashboard.port"))
     return bindings
 
 
@@ -280,7 +284,25 @@ def process_specs(
         specs.append(trainer_spec(config, run_dir, placement, plan, python, job_id))
     if placement.teacher is not None and node == 0:
         specs.append(teacher_spec(config, run_dir, placement.teacher, python))
+    if config.dashboard.enabled and node == 0:
+        specs.append(dashboard_spec(config, run_dir, python))
     return specs
+
+
+def dashboard_spec(config: RLConfig, run_dir: Path, python: str) -> ProcessSpec:
+    """`prime-rl dashboard RUN`: a server the run does not depend on (its exit is reported, the
+    run goes on). Its token (on an address other than loopback) is new for every launch and
+    travels in the environment, not in the command line other users can read."""
+    dash = config.dashboard
+    env = {} if is_loopback(dash.host) else {DASHBOARD_TOKEN_ENV: secrets.token_urlsafe(24)}
+    return ProcessSpec("dashboard", [python, "-m", "prime_rl.cli", "dashboard", "--port", str(dash.port), "--host", dash.host,
+                                     "--", str(run_dir)], env=env, required=False, essential=False)
+
+
+def dashboard_url(config: RLConfig, specs: list[ProcessSpec]) -> str | None:
+    """The page's URL (with its token) when the run starts one."""
+    spec = next((s for s in specs if s.name == "dashboard"), None)
+    return None if spec is None else page_url(config.dashboard.host, config.dashboard.port, spec.env.get(DASHBOARD_TOKEN_ENV))
 
 
 def replica_specs(config: RLConfig, run_dir: Path, plan: NodePlan, multi: bool) -> list[ProcessSpec]:

@@ -62,6 +62,8 @@ class ProcessSpec:
     # whose output is the result (`prime-rl eval`'s progress bar and tables). Its stdin stays
     # closed and it still runs in its own process group, so Ctrl-C reaches the launcher only.
     terminal: bool = False
+    # The run does not depend on it (the dashboard): its exit is reported once, the run goes on.
+    essential: bool = True
 
 
 class ProcessFailed(RuntimeError):
@@ -148,10 +150,17 @@ class Launcher:
     def wait(self) -> None:
         """Block until the run is done; raise ProcessFailed naming the first failure."""
         required = {s.name for s in self.specs if s.required}
+        reported: set[str] = set()
         while True:
             for spec in self.specs:
                 code = self.procs[spec.name].poll()
                 if code is None:
+                    continue
+                if not spec.essential:
+                    if spec.name not in reported:
+                        reported.add(spec.name)
+                        print(f"[prime-rl] {spec.name} {describe_exit(code)} (see {log_path(self.run_dir, spec.name)}); "
+                              "the run goes on without it", file=sys.stderr, flush=True)
                     continue
                 if code != 0 or not spec.required:
                     raise ProcessFailed(spec.name, code, None if spec.terminal else log_path(self.run_dir, spec.name))
