@@ -1,80 +1,96 @@
-"""The async gain: seconds per step at `async_level` 0 against 1 and 2, unpinned and pinned.
+"""The async gain: seconds per step at `async_level` 0 against 1 and 2, as the OS places the
+processes and with generation and training on cores of their own (issue 36, row 5).
 
-Each setting is a short quickstart run (``STEPS`` steps) of `prime-rl configs/reverse-text/rl.toml`.
-Pinned: vLLM's worker on core 0 and every other process (trainer, orchestrator, vLLM's
-API server and engine core) on core 1, set with ``cpu_affinity`` as each process
-appears; unpinned: the OS places them (vLLM still binds its worker's OpenMP threads).
+    uv run --group bench python -m benchmarks.async_gain [--write]
 
-The ideal bounds come from the component times of the unpinned level-0 run, where
-sampling and training take turns and so are measured without each other: a step there
-costs generation + training + handoff (trainer write + inference reload); with overlap
-(level >= 1) it could cost as little as the larger of generation + handoff and training,
-so the ideal gain is their ratio. It assumes the two halves do not slow each other down
-when they overlap, which two cores shared by five processes do not grant.
+Each setting is a short quickstart run (``STEPS`` steps) of `prime-rl configs/reverse-text/rl.toml`
+on the quickstart's model (``benchmarks.run.run_prime_rl``). `shared`: the OS places every
+process on the two cores; `disjoint`: ``benchmarks.profile.DISJOINT``, all of vLLM on core 0
+(its worker's OpenMP thread bound there) and the trainer (one thread) and the orchestrator
+on core 1, as generation and training run on GPUs of their own.
+
+The ideal bounds come from the component times of the shared level-0 run, where sampling
+and training take turns and so are measured without each other: a step there costs
+generation + training + handoff (trainer write + inference reload); with overlap (level
+>= 1) it could cost as little as the larger of generation + handoff and training, so the
+ideal gain is their ratio. It assumes the two halves do not slow each other down when they
+overlap, which two shared cores do not grant. ``--write`` stores
+`benchmarks/results/async-gain.json` and regenerates RESULTS.md.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
-import subprocess
-import sys
-import threading
 import time
 from pathlib import Path
 
-from benchmarks.profile import pin_tree, run_profile
-from prime_rl.launch.launcher import die_with_parent
+from benchmarks.profile import DISJOINT, DISJOINT_FLAGS
 
 STEPS = 30
 LEVELS = (0, 1, 2)
-PIN = {"vllm_worker": [0], "vllm_api": [1], "vllm_engine": [1], "trainer": [1], "orchestrator": [1]}
+PLACEMENTS = ("shared", "disjoint")
 
 
-def components(rows: list[dict]) -> tuple[float, dict[str, float]]:
+def one_run(model: Path, out: Path, level: int, placement: str) -> tuple[float, dict[str, float]]:
     """(mean seconds per step after step 1, median seconds per step of generation, training
-    and the handoff), from the run's profile (``benchmarks.profile.run_profile``)."""
-    p = run_profile(rows, 0.0, [])
+    and the handoff) of one run."""
+    from benchmarks.run import QUICKSTART, run_prime_rl  # benchmarks.run imports this module
+
+    disjoint = placement == "disjoint"
+    flags = ["--max-steps", str(STEPS), "--async-level", str(level), *(DISJOINT_FLAGS if disjoint else ())]
+    p = run_prime_rl(QUICKSTART.config, model, out, flags, pin=DISJOINT if disjoint else None).profile
     return p["mean_s_per_step"], {"generate": p["orchestrator/generate_s"], "train": p["trainer/train_s"],
                                   "handoff": p["trainer/save_weights_s"] + p["orchestrator/reload_s"]}
 
 
-def one_run(model: Path, out: Path, level: int, pinned: bool, ports: tuple[int, int]) -> tuple[float, dict[str, float]]:
-    cmd = [sys.executable, "-m", "prime_rl.cli", "configs/reverse-text/rl.toml", "--model", str(model),
-           "--output-dir", str(out), "--max-steps", str(STEPS), "--async-level", str(level), "--clean", "--no-tmux",
-           "--inference.port", str(ports[0]), "--transport.port", str(ports[1])]
-    proc = subprocess.Popen(cmd, cwd=Path(__file__).resolve().parents[1], stdout=subprocess.DEVNULL,
-                            preexec_fn=die_with_parent)
-    stop = threading.Event()
-    pinner = threading.Thread(target=pin_tree, args=(proc.pid, PIN, stop), daemon=True)
-    if pinned:
-        pinner.start()
-    try:
-        if proc.wait() != 0:
-            raise subprocess.CalledProcessError(proc.returncode, cmd)
-    finally:
-        stop.set()
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return components(rows)
-
-
-def sweep(model: Path, work: Path, ports) -> dict[str, float | None]:
-    """Seconds per step per (level, pinning), the gains against level 0 and the ideal gain.
-    ``ports()`` gives a fresh (inference, transport) port pair."""
+def sweep(model: Path, work: Path) -> dict[str, float | None]:
+    """Seconds per step per (placement, level), the gains of each level over level 0, and the
+    ideal gain."""
     out: dict[str, float | None] = {}
     serial: dict[str, float] = {}
-    for pinned in (False, True):
-        tag = "pinned" if pinned else "unpinned"
+    for placement in PLACEMENTS:
         for level in LEVELS:
             started = time.time()
-            s_per_step, parts = one_run(model, work / f"async-{tag}-{level}", level, pinned, ports())
-            out[f"{tag}/level_{level}_s_per_step"] = s_per_step
-            if level == 0 and not pinned:
+            s_per_step, parts = one_run(model, work / f"async-{placement}-{level}", level, placement)
+            out[f"{placement}/level_{level}_s_per_step"] = s_per_step
+            if level == 0 and placement == "shared":
                 serial = parts
-            print(f"[bench] async_level {level} {tag}: {s_per_step:.3f} s/step ({time.time() - started:.0f} s)", flush=True)
+            print(f"[bench] async_level {level} {placement}: {s_per_step:.3f} s/step ({time.time() - started:.0f} s)", flush=True)
         for level in LEVELS[1:]:
-            out[f"{tag}/gain_0_over_{level}"] = out[f"{tag}/level_0_s_per_step"] / out[f"{tag}/level_{level}_s_per_step"]
+            out[f"{placement}/gain_0_over_{level}"] = out[f"{placement}/level_0_s_per_step"] / out[f"{placement}/level_{level}_s_per_step"]
     out.update({f"level_0/{k}_s": v for k, v in serial.items()})
     out["ideal/level_0_s_per_step"] = serial["generate"] + serial["train"] + serial["handoff"]
     out["ideal/async_s_per_step"] = max(serial["generate"] + serial["handoff"], serial["train"])
     out["ideal/gain"] = out["ideal/level_0_s_per_step"] / out["ideal/async_s_per_step"]
     return out
+
+
+def markdown(gain: dict[str, float | None]) -> list[str]:
+    """The RESULTS.md section."""
+    lines = [f"Async gain (`benchmarks/async_gain.py`, {STEPS}-step quickstart runs, one a setting): seconds per step "
+             "at each `async_level`, the processes placed by the OS (`shared`) and generation and training on cores "
+             "of their own (`disjoint`: all of vLLM on core 0, the trainer and the orchestrator on core 1), the gain "
+             "of level 0 over 1 and 2, and the ideal gain from the component times of the shared level-0 run.", "",
+             "| measure | value |", "|---|---|"]
+    return lines + [f"| {k} | {'-' if v is None else f'{v:.3g}'} |" for k, v in gain.items()]
+
+
+def main(argv: list[str] | None = None) -> int:
+    from benchmarks.run import QUICKSTART, RESULTS, WORK, machine, prepare_model, write_results_md
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--write", action="store_true", help="store results/async-gain.json and regenerate RESULTS.md")
+    args = parser.parse_args(argv)
+    gain = sweep(prepare_model(QUICKSTART.full.recipe), WORK / "async-gain")
+    result = {"date": time.strftime("%Y-%m-%d %H:%M"), "mode": f"{STEPS} steps, one run a setting", "machine": machine(),
+              "async_gain": gain, "lines": markdown(gain)}
+    print("\n".join(result["lines"]))
+    if args.write:
+        (RESULTS / "async-gain.json").write_text(json.dumps(result, indent=1) + "\n")
+        write_results_md(RESULTS)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -40,7 +40,7 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.profile import DISJOINT
+from benchmarks.profile import DISJOINT, DISJOINT_FLAGS
 from benchmarks.run import RESULTS, WORK, Recipe, alternating, cell, machine, plot_rewards, prepare_model, run_prime_rl, spread, write_results_md
 
 ALPHABET_ARGS = ('{"min_turns": 2, "max_turns": 2, "min_names_per_turn": 1, "max_names_per_turn": 2, '
@@ -48,9 +48,6 @@ ALPHABET_ARGS = ('{"min_turns": 2, "max_turns": 2, "min_names_per_turn": 1, "max
 MODES = ("continuous", "step")
 
 
-DISJOINT_FLAGS = ("--inference.cpu-threads-bind", "0", "--trainer.num-threads", "1")
-"""With ``DISJOINT`` pinning: vLLM's worker binds its one OpenMP thread to core 0, the trainer
-runs one thread on core 1."""
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,9 @@ DISJOINT = {"vllm_worker": [0], "vllm_api": [0], "vllm_engine": [0], "trainer": 
 """Generation and training on cores of their own: all of vLLM on core 0 (its worker's OpenMP
 threads bound there too: ``inference.cpu_threads_bind = "0"``), the trainer (one thread) and
 the orchestrator on core 1."""
+DISJOINT_FLAGS = ("--inference.cpu-threads-bind", "0", "--trainer.num-threads", "1")
+"""With ``DISJOINT`` pinning: vLLM's worker binds its one OpenMP thread to core 0, the trainer
+runs one thread on core 1."""
 
 
 def pin_tree(pid: int, pin: dict[str, list[int]], stop: threading.Event) -> None:

@@ -11,8 +11,8 @@ from the same SFT'd model, one after the other on this machine. Regimes:
   the quickstart does, and attached to a warm inference server (`prime-rl inference`,
   started once before those runs and not counted: TRL has no such mode); with it, where
   prime-rl's time goes (`benchmarks.profile`), the overheads against their limits
-  (`benchmarks.overheads`, `benchmarks.loadgen`) and, in full runs, the async gain
-  (`benchmarks.async_gain`);
+  (`benchmarks.overheads`, `benchmarks.loadgen`); the async gain is a command of its own
+  (`python -m benchmarks.async_gain`);
 - `generation-heavy`: a 16M-parameter model on reverse-text strings of 50-150 characters
   (`benchmarks/configs/generation-heavy.toml`: 32 completions of ~100-170 tokens a step,
   each as long as its prompt asks).
@@ -57,7 +57,6 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Callable, Iterator, TypeVar
 
-from benchmarks import async_gain
 from benchmarks.loadgen import free_port
 from benchmarks.profile import CpuSampler, pin_tree, run_profile
 from prime_rl.launch.launcher import die_with_parent
@@ -387,8 +386,8 @@ def write_results_md(results: Path) -> Path:
                       "run on the first repeat's recorded batches, each alone on the machine):", "",
                       "| measure | value |", "|---|---|"]
             lines += [f"| {k} | {_num(v)} |" for k, v in data["overheads"].items()]
-        if data.get("async_gain"):
-            lines += ["", f"Async gain (`benchmarks/async_gain.py`, {async_gain.STEPS}-step runs): seconds per step at each "
+        if data.get("async_gain"):  # made by full runs before `benchmarks.async_gain` became a command of its own
+            lines += ["", "Async gain (`benchmarks/async_gain.py`, 30-step runs): seconds per step at each "
                       "`async_level`, unpinned and pinned (vLLM's worker on core 0, the rest on core 1), the gain "
                       "of level 0 over 1 and 2, and the ideal gain from the component times of the unpinned "
                       "level-0 run (generation, training and handoff taking turns).", "",
@@ -665,8 +664,6 @@ def run_regime(regime: Regime, args: argparse.Namespace, results: Path, started:
         model = prepare_model(mode.recipe)
         data["overheads"] = overheads(model, WORK / regime.name / "prime-rl-0", summary["profile"], 2 if args.quick else 6)
         print(f"[bench] overheads measured ({time.time() - started:.0f} s)", flush=True)
-        if not args.quick:
-            data["async_gain"] = async_gain.sweep(model, WORK, lambda: (free_port(), free_port()))
     targets, budgets = ", ".join(f"{t:g}" for t in mode.targets), ", ".join(f"{b:g}" for b in mode.budgets_s)
     data = {
         "date": data["date"],

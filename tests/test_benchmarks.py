@@ -384,3 +384,15 @@ def test_the_trace_cost_target_and_its_section_read_the_traces_results(tmp_path)
     (tmp_path / "traces.json").write_text(json.dumps(result))
     rows = {name: (value, holds) for name, value, holds in bench.targets(tmp_path)}
     assert rows["rollout traces: their work < 2% of a quickstart step (issue 37)"] == (0.01, True)
+
+
+def test_the_async_gain_section_names_both_placements_and_each_gain():
+    """benchmarks.async_gain's own RESULTS.md section (it is no longer part of the quickstart's run)."""
+    from benchmarks.async_gain import markdown
+
+    gain = {"shared/level_0_s_per_step": 1.4, "shared/level_1_s_per_step": 1.0, "shared/gain_0_over_1": 1.4,
+            "disjoint/level_0_s_per_step": 1.2, "disjoint/level_1_s_per_step": 0.8, "disjoint/gain_0_over_1": 1.5,
+            "ideal/gain": None}
+    lines = markdown(gain)
+    assert "`disjoint`: all of vLLM on core 0, the trainer and the orchestrator on core 1" in lines[0]
+    assert "| disjoint/gain_0_over_1 | 1.5 |" in lines and "| ideal/gain | - |" in lines
