@@ -21,7 +21,6 @@ overlap, which two shared cores do not grant. ``--write`` stores
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
@@ -77,18 +76,16 @@ def markdown(gain: dict[str, float | None]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from benchmarks.run import QUICKSTART, RESULTS, WORK, machine, prepare_model, write_results_md
+    from benchmarks.run import QUICKSTART, RESULTS, WORK, prepare_model, write_part
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--write", action="store_true", help="store results/async-gain.json and regenerate RESULTS.md")
     args = parser.parse_args(argv)
     gain = sweep(prepare_model(QUICKSTART.full.recipe), WORK / "async-gain")
-    result = {"date": time.strftime("%Y-%m-%d %H:%M"), "mode": f"{STEPS} steps, one run a setting", "machine": machine(),
-              "async_gain": gain, "lines": markdown(gain)}
-    print("\n".join(result["lines"]))
     if args.write:
-        (RESULTS / "async-gain.json").write_text(json.dumps(result, indent=1) + "\n")
-        write_results_md(RESULTS)
+        write_part(RESULTS, "async-gain", f"{STEPS} steps, one run a setting", markdown(gain), gain)
+    else:
+        print("\n".join(markdown(gain)))
     return 0
 
 

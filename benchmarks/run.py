@@ -494,7 +494,7 @@ def targets(results: Path) -> list[tuple[str, float | None, bool | None]]:
     if "long-tail-disjoint" in batching:
         rows.append(("disjoint cores, long-tailed multi-turn: continuous batching >= 1.3x the rollouts/s of the step barrier",
                      batching["long-tail-disjoint"]["ratios"].get("rollouts_per_s continuous/step"), lambda v: v >= 1.3))
-    if traces := load("traces"):
+    if traces := load("traces").get("traces"):
         rows.append(("rollout traces: their work < 2% of a quickstart step (issue 37)", traces["share_of_step"], lambda v: v < 0.02))
     for name, result in batching.items():
         kl = result["medians"]["continuous"].get("mismatch_kl_step0")

@@ -22,7 +22,6 @@ hides a difference that small (it is reported, not judged). ``--write`` stores
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 import time
@@ -38,7 +37,7 @@ from orchestrator.batch import ScoredRollout
 from orchestrator.traces import TraceWriter
 from trainer.traces import sample_traces, write_traces
 
-from benchmarks.run import QUICKSTART, RESULTS, WORK, alternating, machine, prepare_model, run_prime_rl, write_results_md
+from benchmarks.run import QUICKSTART, RESULTS, WORK, alternating, prepare_model, run_prime_rl, write_part
 
 TARGET = 0.02
 BATCH, GROUP, PROMPT, COMPLETION = 256, 8, 20, 16
@@ -134,16 +133,15 @@ def main(argv: list[str] | None = None) -> int:
     per_step = {mode: statistics.median(values) for mode, values in runs.items()}
     share = (orchestrator_s + trainer_s) / per_step["on"]
     result = {
-        "machine": machine(), "date": time.strftime("%Y-%m-%d"), "mode": f"{args.steps} steps, {args.repeats} runs a mode",
         "steps": args.steps, "repeats": args.repeats,
         "orchestrator_ms": orchestrator_s * 1e3, "trainer_ms": trainer_s * 1e3, "s_per_step": per_step, "runs": runs,
         "share_of_step": share, "on_over_off": per_step["on"] / per_step["off"], "target": TARGET, "holds": share < TARGET,
     }
-    result["lines"] = markdown(result)
-    print("\n".join(result["lines"]))
+    mode = f"{args.steps} steps, {args.repeats} runs a mode"
     if args.write:
-        (RESULTS / "traces.json").write_text(json.dumps(result, indent=2) + "\n")
-        write_results_md(RESULTS)
+        write_part(RESULTS, "traces", mode, markdown(result), result)
+    else:
+        print("\n".join(markdown(result)))
     return 0
 
 
