@@ -396,3 +396,20 @@ def test_the_async_gain_section_names_both_placements_and_each_gain():
     lines = markdown(gain)
     assert "`disjoint`: all of vLLM on core 0, the trainer and the orchestrator on core 1" in lines[0]
     assert "| disjoint/gain_0_over_1 | 1.5 |" in lines and "| ideal/gain | - |" in lines
+
+
+def test_the_soak_figures_read_each_roles_milestones_and_its_late_slope():
+    """benchmarks.soak: a trainer whose RSS grows 1 MB a step from step 500 on has a slope of
+    100 MB per 100 steps over the second half; an orchestrator that stays flat, 0."""
+    from benchmarks.soak import figures, slope_per_100
+
+    assert slope_per_100([0, 100, 200], [10.0, 20.0, 30.0]) == pytest.approx(10.0)
+    assert slope_per_100([5], [1.0]) == 0.0
+    samples = [(float(s), s, {"trainer": (1000.0 + max(0, s - 500), 10, 4), "orchestrator": (400.0, 60, 7)})
+               for s in range(0, 1001, 50)]
+    got = figures(samples, 1000)
+    assert got["trainer"]["rss_mb@100"] == 1000.0 and got["trainer"]["rss_mb@500"] == 1000.0
+    assert got["trainer"]["rss_mb@end"] == 1500.0 and got["trainer"]["fds@end"] == 10
+    assert got["trainer"]["rss_slope_mb_per_100_steps"] == pytest.approx(100.0)
+    assert got["orchestrator"]["rss_slope_mb_per_100_steps"] == pytest.approx(0.0, abs=1e-9)
+    assert got["orchestrator"]["rss_slope_share"] == pytest.approx(0.0, abs=1e-9)

@@ -1,0 +1,183 @@
+"""Long runs stay flat (issue 38): each process's memory, open files and threads over a long run.
+
+    uv run --group bench python -m benchmarks.soak [--steps 1000] [--write]
+
+Runs the quickstart (`configs/reverse-text/rl.toml` on its model, headless, its own
+checkpoint and weight retention) for ``--steps`` steps and samples, every ``INTERVAL_S``
+seconds, each process of the run's tree by role (``benchmarks.profile.role``: trainer,
+orchestrator, vLLM's API server, engine core and worker; others as `other`): resident memory
+(RSS), open file descriptors and threads, with the step the orchestrator last logged. Then,
+per role:
+
+- RSS, open files and threads at steps 100, 500 and the last one (the nearest sample);
+- the RSS slope in MB per 100 steps, a least-squares line over the second half of the run
+  (after warm-up: allocators and caches fill early), and its share of the role's RSS;
+- whether anything the run made is left behind: new entries in the system's temporary folder
+  after the run, and the step folders of `rollouts/`, `weights/` and `checkpoints/` against
+  their `keep_last`.
+
+``--write`` stores `benchmarks/results/soak.json` and regenerates RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import psutil
+
+from prime_rl.config import CheckpointConfig, TrainerConfig
+from prime_rl.launch.launcher import die_with_parent
+from prime_rl.rundir import checkpoints_dir, metrics_path, rollouts_dir, step_dirs, weights_dir
+
+from benchmarks.profile import role
+from benchmarks.run import QUICKSTART, REPO, RESULTS, WORK, free_port, prepare_model, write_part
+
+INTERVAL_S = 5.0
+MILESTONES = (100, 500)
+
+
+@dataclass
+class Sampler:
+    """(seconds since start, step, {role: (rss MB, open files, threads)}) of a process tree."""
+
+    pid: int
+    run_dir: Path
+    samples: list[tuple[float, int | None, dict[str, tuple[float, int, int]]]] = field(default_factory=list)
+    stop: threading.Event = field(default_factory=threading.Event)
+
+    def run(self) -> None:
+        root, t0 = psutil.Process(self.pid), time.time()
+        while not self.stop.wait(INTERVAL_S):
+            by_role: dict[str, list[float]] = {}
+            try:
+                procs = root.children(recursive=True)
+            except psutil.Error:
+                return
+            for proc in procs:
+                try:
+                    rss, fds, threads = proc.memory_info().rss / 2**20, proc.num_fds(), proc.num_threads()
+                except psutil.Error:
+                    continue
+                totals = by_role.setdefault(role(proc) or "other", [0.0, 0, 0])
+                totals[0] += rss
+                totals[1] += fds
+                totals[2] += threads
+            self.samples.append((time.time() - t0, last_step(self.run_dir), {k: tuple(v) for k, v in by_role.items()}))
+
+
+def last_step(run_dir: Path) -> int | None:
+    """The newest step the orchestrator logged (its metrics rows)."""
+    try:
+        lines = metrics_path(run_dir).read_bytes().splitlines()[-40:]
+    except OSError:
+        return None
+    steps = [row["step"] for row in map(json.loads, filter(None, lines)) if row.get("process") == "orchestrator"
+             and isinstance(row.get("step"), int)] if lines else []
+    return max(steps, default=None)
+
+
+def slope_per_100(steps: list[int], values: list[float]) -> float:
+    """Least-squares slope of ``values`` against ``steps``, per 100 steps."""
+    if len(steps) < 2 or len(set(steps)) < 2:
+        return 0.0
+    return float(np.polyfit(np.asarray(steps, float), np.asarray(values, float), 1)[0] * 100)
+
+
+def figures(samples, steps: int) -> dict[str, dict[str, float]]:
+    """Per role: RSS / files / threads at the milestones and the end, and the RSS slope over
+    the second half."""
+    stepped = [(s, r) for _, s, r in samples if s is not None]
+    out: dict[str, dict[str, float]] = {}
+    for name in sorted({k for _, r in stepped for k in r}):
+        mine = [(s, r[name]) for s, r in stepped if name in r]
+        row: dict[str, float] = {}
+        for at in [*[m for m in MILESTONES if m < steps], mine[-1][0]]:
+            _, (rss, fds, threads) = min(mine, key=lambda p: abs(p[0] - at))
+            label = "end" if at == mine[-1][0] else str(at)
+            row.update({f"rss_mb@{label}": rss, f"fds@{label}": fds, f"threads@{label}": threads})
+        late = [(s, v[0]) for s, v in mine if s >= steps // 2]
+        row["rss_slope_mb_per_100_steps"] = slope_per_100([s for s, _ in late], [v for _, v in late])
+        row["rss_slope_share"] = row["rss_slope_mb_per_100_steps"] / max(row["rss_mb@end"], 1e-9)
+        out[name] = row
+    return out
+
+
+def left_behind(run_dir: Path, tmp_before: set[str], keep: dict[str, int]) -> dict[str, object]:
+    """New entries of the temporary folder, and each step folder's count against its keep_last."""
+    tmp = Path(tempfile.gettempdir())
+    new = sorted(p.name for p in tmp.iterdir() if p.name not in tmp_before)
+    return {"new_in_tmp": new,
+            **{f"{name}_kept": len(step_dirs(folder)) for name, folder in
+               (("rollouts", rollouts_dir(run_dir)), ("weights", weights_dir(run_dir)), ("checkpoints", checkpoints_dir(run_dir)))},
+            **{f"{name}_keep_last": n for name, n in keep.items()}}
+
+
+def markdown(result: dict) -> list[str]:
+    lines = [f"Soak (`benchmarks/soak.py`): the quickstart for {result['steps']} steps, each process's resident "
+             f"memory (MB), open files and threads sampled every {INTERVAL_S:g} s; the RSS slope is a least-squares "
+             "line over the second half of the run.", "",
+             "| process | RSS @100 | RSS @500 | RSS at the end | slope (MB / 100 steps) | slope / RSS | files @100 / end | threads @100 / end |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name, row in result["processes"].items():
+        get = lambda key: row.get(key)  # noqa: E731
+        fmt = lambda v: "-" if v is None else f"{v:.0f}"  # noqa: E731
+        lines.append(f"| {name} | {fmt(get('rss_mb@100'))} | {fmt(get('rss_mb@500'))} | {fmt(get('rss_mb@end'))} | "
+                     f"{row['rss_slope_mb_per_100_steps']:+.2f} | {row['rss_slope_share']:+.2%} | "
+                     f"{fmt(get('fds@100'))} / {fmt(get('fds@end'))} | {fmt(get('threads@100'))} / {fmt(get('threads@end'))} |")
+    left = result["left_behind"]
+    lines += ["", f"Left behind: {len(left['new_in_tmp'])} new entries in the temporary folder "
+              f"({', '.join(left['new_in_tmp'][:5]) or 'none'}); rollouts/ {left['rollouts_kept']} step folders, "
+              f"weights/ {left['weights_kept']} (keep_last {left['weights_keep_last']}), checkpoints/ "
+              f"{left['checkpoints_kept']} (keep_last {left['checkpoints_keep_last']}). Wall time {result['wall_s']:.0f} s."]
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--write", action="store_true", help="store results/soak.json and regenerate RESULTS.md")
+    args = parser.parse_args(argv)
+    model, out = prepare_model(QUICKSTART.full.recipe), WORK / "soak"
+    with open(REPO / QUICKSTART.config, "rb") as f:
+        shipped = tomllib.load(f)
+    keep = {"checkpoints": shipped.get("ckpt", {}).get("keep_last", CheckpointConfig().keep_last),
+            "weights": shipped.get("trainer", {}).get("weights", {}).get("keep_last", TrainerConfig().weights.keep_last)}
+    tmp_before = {p.name for p in Path(tempfile.gettempdir()).iterdir()}
+    cmd = [sys.executable, "-m", "prime_rl.cli", QUICKSTART.config, "--model", str(model), "--output-dir", str(out),
+           "--max-steps", str(args.steps), "--clean", "--no-tmux", "--quiet", "--inference.port", str(free_port()),
+           "--transport.port", str(free_port())]
+    started = time.time()
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, preexec_fn=die_with_parent)
+    sampler = Sampler(proc.pid, out)
+    thread = threading.Thread(target=sampler.run, daemon=True)
+    thread.start()
+    try:
+        if proc.wait() != 0:
+            raise subprocess.CalledProcessError(proc.returncode, cmd)
+    finally:
+        sampler.stop.set()
+        thread.join()
+    time.sleep(2)  # the launcher has stopped its children; give the OS a moment to reap them
+    result = {"steps": args.steps, "wall_s": time.time() - started, "processes": figures(sampler.samples, args.steps),
+              "left_behind": left_behind(out, tmp_before, keep),
+              "samples": [[round(t, 1), s, {k: [round(v[0], 1), v[1], v[2]] for k, v in r.items()}] for t, s, r in sampler.samples]}
+    lines = markdown(result)
+    if args.write:
+        write_part(RESULTS, "soak", f"{args.steps} steps, one run", lines, result)
+    else:
+        print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
