@@ -6,7 +6,7 @@ resumed run chooses the same ones) and each of their rollouts becomes a row of
 (``ScoredRollout.trace_id``) and traces its view of their tokens. Evaluations (during RL and
 `prime-rl eval`) and GEPA's candidates are traced the same way, with their own ``kind``.
 
-Secrets stay out: every row goes through ``keys.scrub`` with the run's settings (every
+Secrets stay out: every row goes through ``keys.scrub_found`` with the run's settings (every
 secret-named field's value, as written raw, by ``repr`` or by JSON) and what
 ``keys.redact_text`` recognises by its look (bearer tokens, keys of known providers, a URL's
 user part), before it is written or sent to W&B.
@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 from prime_rl.config.orchestrator import TracesConfig
 from prime_rl.envs import Rollout
-from prime_rl.keys import scrub
+from prime_rl.keys import scrub_found, scrubbed_secrets
 from prime_rl.rundir import append_lines
 from prime_rl.traces import rollout_traces_path, trace_id
 
@@ -50,7 +50,8 @@ class TraceWriter:
                  seed: int = 0, wandb=None, per_turn: bool = False):
         self.path = rollout_traces_path(run_dir)
         self.cfg, self.tokenizer, self.seq_len, self.seed, self.per_turn = cfg, tokenizer, seq_len, seed, per_turn
-        self.secrets = list(secrets)
+        self.secrets = scrubbed_secrets(*secrets)
+        """The run's secret values, found once (``keys.scrubbed_secrets``), not per row."""
         self.wandb = wandb
         """A W&B run (``WandbSink.run``) for the table every ``cfg.wandb_interval`` steps; None = none."""
 
@@ -119,7 +120,8 @@ class TraceWriter:
 
     def lines(self, rows: list[dict]) -> list[str]:
         """The rows as the file keeps them: JSON, every secret scrubbed."""
-        return [scrub(json.dumps(row, separators=(",", ":"), ensure_ascii=False, default=str), *self.secrets) for row in rows]
+        return [scrub_found(json.dumps(row, separators=(",", ":"), ensure_ascii=False, default=str), self.secrets)
+                for row in rows]
 
     def write(self, lines: list[str], step: int | None = None) -> None:
         """Append the lines (one write); every ``wandb_interval`` steps also W&B's table."""

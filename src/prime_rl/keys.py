@@ -183,8 +183,18 @@ def scrub(text: str, *sources: Any) -> str:
     environment's args) replaced by REDACTED, as written raw, by ``repr`` or by JSON, and
     whatever ``redact_text`` recognises. Secrets under 4 characters are left: replacing them
     would garble the message, and no key is that short."""
-    found = {s for source in sources for s in secret_values(source) if len(s) >= 4}
-    for secret in sorted(found, key=len, reverse=True):
+    return scrub_found(text, scrubbed_secrets(*sources))
+
+
+def scrubbed_secrets(*sources: Any) -> tuple[str, ...]:
+    """The secrets ``scrub`` replaces for ``sources``, longest first: to find once and hand to
+    ``scrub_found`` for many texts (every trace row of a run)."""
+    return tuple(sorted({s for source in sources for s in secret_values(source) if len(s) >= 4}, key=len, reverse=True))
+
+
+def scrub_found(text: str, secrets: tuple[str, ...]) -> str:
+    """``scrub`` with its secrets already found (``scrubbed_secrets``)."""
+    for secret in secrets:
         for shown in {secret, repr(secret)[1:-1], json.dumps(secret)[1:-1]}:
             text = text.replace(shown, REDACTED)
     return redact_text(text)
