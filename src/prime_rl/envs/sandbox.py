@@ -65,6 +65,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from prime_rl.procmem import cgroup_mounts, own_cgroups
 
 SANDBOX_UID = 65534
 """The uid and gid sandboxed code runs as when the orchestrator runs as root (``nobody``)."""
@@ -669,7 +670,7 @@ def _find_cgroups() -> _Cgroups | str:
     pids hierarchies; the parent of the calls' cgroups is made there. A string says why neither
     can be used."""
     if not _FOUND_CGROUPS:
-        mounts, own = _cgroup_mounts(), _own_cgroups()
+        mounts, own = cgroup_mounts(), own_cgroups()
         found: _Cgroups | str = "no cgroup hierarchy with the memory and pids controllers is mounted"
         if "cgroup2" in mounts and "" in own:
             found = _cgroup2_parent(mounts["cgroup2"] / own[""].lstrip("/"))
@@ -704,31 +705,6 @@ def _make_parent(own: Path) -> Path:
     parent = own / CGROUP_PARENT
     parent.mkdir(exist_ok=True)
     return parent
-
-
-def _cgroup_mounts() -> dict[str, Path]:
-    """Mount points by kind: ``cgroup2``, and each v1 controller (``memory``, ``pids``)."""
-    mounts: dict[str, Path] = {}
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/self/mounts").read_text().splitlines():
-            _, point, kind, options, *_ = line.split()
-            if kind == "cgroup2":
-                mounts.setdefault("cgroup2", Path(point))
-            elif kind == "cgroup":
-                for controller in {"memory", "pids"} & set(options.split(",")):
-                    mounts.setdefault(controller, Path(point))
-    return mounts
-
-
-def _own_cgroups() -> dict[str, str]:
-    """Our cgroup path in each hierarchy, by controller ("" for cgroup2), from /proc/self/cgroup."""
-    own: dict[str, str] = {}
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/self/cgroup").read_text().splitlines():
-            _, controllers, path = line.split(":", 2)
-            for controller in controllers.split(",") if controllers else [""]:
-                own[controller] = path
-    return own
 
 
 def _write(path: Path, value: str, optional: bool = False) -> None:
