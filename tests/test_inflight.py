@@ -27,7 +27,8 @@ class GatedEnv:
         self.cancelled: list[int] = []
         self.rewards: dict[int, list[float]] = {}
         self.versions = (0, 0)
-        self.fail_on: int | None = None
+        self.fail_on: set[int] = set()
+        self.error = RuntimeError
 
     def gate(self, example_id):
         return self.gates.setdefault(example_id, asyncio.Event())
@@ -39,8 +40,8 @@ class GatedEnv:
         except asyncio.CancelledError:
             self.cancelled.append(example.id)
             raise
-        if example.id == self.fail_on:
-            raise RuntimeError(f"example {example.id} failed")
+        if example.id in self.fail_on:
+            raise self.error(f"example {example.id} failed")
         rewards = self.rewards.get(example.id, [float(i) for i in range(n)])
         return [Rollout(example.id, [Turn([1, 2], [3], [-0.5], versions=self.versions)], rewards[i]) for i in range(n)]
 
@@ -53,12 +54,14 @@ class Version:
         return self.value
 
 
-def make_pool(env, version, *, k=2, async_level=1, max_inflight=8, pending=(), logs=None, max_steps=None, one_step=False):
+def make_pool(env, version, *, k=2, async_level=1, max_inflight=8, pending=(), logs=None, max_steps=None, one_step=False,
+              timeout_s=None):
     order = ExampleOrder([len(env.dataset)], seed=0)
     pool = GroupPool(
         [("env", env)], order, sampler=None, rollouts_per_example=N, groups_per_step=k, async_level=async_level,
         max_inflight=max_inflight, version=version, pending=list(pending),
         log=(logs.append if logs is not None else lambda _: None), max_steps=max_steps, one_step=one_step,
+        timeouts=[timeout_s],
     )
     return pool, ExampleOrder([len(env.dataset)], seed=0)
 
@@ -236,12 +239,16 @@ def test_nothing_in_flight_and_an_old_policy_waits_for_weights_then_times_out_na
     asyncio.run(go())
 
 
-def test_a_failing_group_fails_the_cut_and_close_stops_the_rest():
+def test_a_group_failing_on_what_every_group_needs_fails_the_cut_and_close_stops_the_rest():
+    """Inference (or the worker, or the chat template) failing is the run's failure, at once."""
+    from orchestrator.client import InferenceError
+
     async def go():
         env, version = GatedEnv(), Version()
+        env.error = InferenceError
         pool, reference = make_pool(env, version, k=2, async_level=0, max_inflight=2)
         picks = reference.next(2)
-        env.fail_on = picks[0][1]
+        env.fail_on = {picks[0][1]}
         cutting = asyncio.create_task(pool.cut(0, stall, 5))
         await settle()
         env.gate(picks[0][1]).set()
@@ -249,6 +256,44 @@ def test_a_failing_group_fails_the_cut_and_close_stops_the_rest():
             await cutting
         await pool.close()
         assert env.cancelled == [picks[1][1]]
+
+    asyncio.run(go())
+
+
+def test_a_group_whose_episodes_raise_or_hang_is_dropped_counted_said_once_and_replaced():
+    async def go():
+        env, version, logs = GatedEnv(), Version(), []
+        pool, reference = make_pool(env, version, k=2, async_level=0, max_inflight=4, logs=logs, timeout_s=0.3)
+        picks = [i for _, i in reference.next(6)]
+        env.fail_on = {picks[0], picks[1]}  # two raise; picks[2] hangs (its gate never opens)
+        for i in (picks[0], picks[1], picks[3], picks[4]):
+            env.gate(i).set()
+        cut = await pool.cut(0, stall, 5)
+        failures = pool.take_failures()
+        await pool.close()
+        return picks, cut, failures, logs, env
+
+    picks, cut, failures, logs, env = asyncio.run(go())
+    assert examples(cut.groups) == [picks[3], picks[4]]  # the failed groups' slots went to the next examples
+    assert failures == {"errors/env/episode_error": 2 * N, "errors/env/episode_timeout": N}
+    assert picks[2] in env.cancelled  # the hung group was cut off
+    said = [line for line in logs if "a group was dropped" in line]
+    assert len(said) == 2, logs  # once per kind
+    assert any("its episodes raised RuntimeError: example" in line and "test_inflight.py:" in line for line in said)
+    assert any("ran past episode_timeout_s = 0.3 s" in line for line in said)
+
+
+def test_groups_failing_one_after_another_stop_the_run_with_the_last_error():
+    async def go():
+        env, version = GatedEnv(), Version()
+        pool, reference = make_pool(env, version, k=2, async_level=0, max_inflight=2)
+        env.fail_on = set(range(100))
+        for i in range(100):
+            env.gate(i).set()
+        with pytest.raises(RuntimeError, match=r"environment 'env': 5 groups in a row failed; the last: its episodes "
+                                               r"raised RuntimeError: example \d+ failed"):
+            await pool.cut(0, stall, 5)
+        await pool.close()
 
     asyncio.run(go())
 

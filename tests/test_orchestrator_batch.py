@@ -136,7 +136,13 @@ def test_per_turn_samples_carry_the_rollout_advantage():
     assert first.advantage == second.advantage == 0.25
 
 
-def test_a_rollout_without_tokens_cannot_be_trained_on():
-    with pytest.raises(ValueError, match="example 2: a rollout without tokens"):
+def test_a_rollout_without_tokens_is_left_out_of_the_batch_and_alone_cannot_feed_a_rank():
+    """An episode that failed before the model replied (a v1 harness under load) has a reward
+    but nothing to train: its group's other rollouts are trained, it is not."""
+    kept = Rollout(3, [Turn([1, 2], [3], [-0.1])], 0.5)
+    (batch,) = pack_batches([ScoredRollout(Rollout(2, [], 0.0), -0.25, 0), ScoredRollout(kept, 0.25, 0)], step=0,
+                            num_ranks=1, micro_batch_size=4, temperature=1.0, seq_len=16)
+    assert [s.example_id for m in batch.micro_batches for s in m.samples] == [3]
+    with pytest.raises(ValueError, match="0 samples cannot feed 1 trainer ranks"):
         pack_batches([ScoredRollout(Rollout(2, [], 1.0), 0.0, 0)], step=0, num_ranks=1, micro_batch_size=1,
                      temperature=1.0, seq_len=16)

@@ -403,9 +403,13 @@ def test_answered_requests_count_as_progress_for_the_watchdog(tmp_path, monkeypa
     class Client:
         answered = 0
 
+    class Limiter:
+        def describe(self) -> str:
+            return "8 episodes in flight in environment 'x'"
+
     async def go():
         client, hb = Client(), Heartbeat(tmp_path, "orchestrator", min_interval_s=0.0)
-        task = asyncio.create_task(orchestrator_main.report_answers(client, hb))
+        task = asyncio.create_task(orchestrator_main.report_answers(client, hb, Limiter()))
         with hb.waiting("the evaluation at step 3"):
             await asyncio.sleep(0.05)
             quiet = read_heartbeat(heartbeat_path(tmp_path, "orchestrator"))
@@ -418,4 +422,5 @@ def test_answered_requests_count_as_progress_for_the_watchdog(tmp_path, monkeypa
     quiet, moved = asyncio.run(go())
     assert quiet.progress == "started" and quiet.waiting_for == "the evaluation at step 3"
     assert moved.progress == "7 generation requests answered" and moved.waiting_for == "the evaluation at step 3"
+    assert moved.detail == "8 episodes in flight in environment 'x'"  # what the watchdog shows beside the wait
     assert moved.progress_unix > quiet.progress_unix

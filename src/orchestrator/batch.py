@@ -81,7 +81,11 @@ def rollout_tokens(rollout: Rollout, turns: list[Turn] | None = None) -> tuple[n
 def to_samples(scored: ScoredRollout, seq_len: int, per_turn: bool = False) -> list[Sample]:
     """One sample for the rollout (one per run of turns that extend each other, when the
     environment's client re-rendered the conversation: ``Turn.restart``), or one per turn
-    with ``per_turn``."""
+    with ``per_turn``; none for a rollout without tokens (its episode failed before the model
+    replied, as a v1 harness can under load: it still counts in its group's advantages, with
+    its reward, and in `batch/rollouts_without_tokens`)."""
+    if not scored.rollout.turns:  # an episode that failed before the model's first reply: scored, not trained
+        return []
     splits = sample_turns(scored.rollout, per_turn)
     teacher = scored.teacher_logprobs or (None,) * len(splits)
     top = scored.teacher_top or (None,) * len(splits)

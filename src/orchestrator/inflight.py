@@ -33,6 +33,16 @@ examples alone, not on which group finished first.
 Filtering (``orchestrator.filtering``): a group the step's filter rejects leaves the step a
 slot short, so another group starts in its place (the async bound and the slots allowing).
 
+Load (``orchestrator.load``): a group started here takes its episodes from the limiter
+before its first request, so it may wait there while memory or inference has no room; its
+``version`` is the one served when it leaves that wait.
+
+A group that fails (its episodes raise, or run past the environment's ``episode_timeout_s``)
+is the environment's failure, not the run's: dropped, counted in `errors/<env>/episode_*`,
+said once per kind, and its slot goes to another group; more failures in a row than a step
+holds stop the run. Failures of what every group needs (``FATAL``: the worker, inference, the
+chat template) stop it at once.
+
 Determinism, for a resume: examples are picked from the seeded order as groups start.
 ``pending()`` lists the picks of the groups started but in no batch yet, in start order;
 a resume re-starts them first and then continues the order from its recorded cursor, so
@@ -43,16 +53,43 @@ when it completes).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+import traceback
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import httpx
+from prime_rl.chat import TemplateError
 from prime_rl.config import FilterConfig
 from prime_rl.envs import Environment, Rollout
 
 from orchestrator.data import ExampleOrder
+from orchestrator.client import InferenceError
+from orchestrator.envworker import EnvironmentWorkerError
 from orchestrator.filtering import StepFilter
+from orchestrator.load import EpisodeLimiter
+
+
+MIN_FAILED_IN_ROW = 4
+"""Groups failing in a row that stop the run, at least (else a step's worth)."""
+
+
+class EpisodeTimeout(Exception):
+    """A group's episodes ran past the environment's ``episode_timeout_s``."""
+
+
+FATAL = (EnvironmentWorkerError, InferenceError, TemplateError, httpx.HTTPError)
+"""Failures of what every group depends on (the worker, inference, the chat template): they
+stop the run at once. Anything else a group raises is its environment's, and drops the group."""
+
+
+def error_line(error: BaseException) -> str:
+    """``Type: message`` and where it was raised, on one line."""
+    frames = traceback.extract_tb(error.__traceback__)
+    where = f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+    return f"{type(error).__name__}: {' '.join(str(error).split())[:300]}{where}"
 
 
 @dataclass
@@ -119,6 +156,8 @@ class GroupPool:
         log: Callable[[str], None] = print,
         max_steps: int | None = None,
         one_step: bool = False,
+        limiter: EpisodeLimiter | None = None,
+        timeouts: list[float | None] | None = None,
     ):
         self.envs, self.order, self.sampler = envs, order, sampler
         self.n, self.k, self.async_level, self.max_inflight = rollouts_per_example, groups_per_step, async_level, max_inflight
@@ -131,6 +170,15 @@ class GroupPool:
         self._horizon = max_steps
         """No group starts for a step at or past this one now (``_open``)."""
         self.log = log
+        self.timeouts = timeouts or [None] * len(envs)
+        """Per environment: seconds a group may run before it is cut off (``episode_timeout_s``)."""
+        self.failures: dict[str, int] = {}
+        """Rollouts of groups that failed since the last cut, by `errors/<env>/<kind>` key."""
+        self._failed_in_row = 0
+        self._said: set[str] = set()
+        self.limiter = limiter
+        """Bounds the episodes in flight (``orchestrator.load``): a group started here may wait
+        there before its first request. None = no bound but the slots."""
         self._restart = deque(tuple(p) for p in pending)
         """Picks to start before drawing new ones: a resumed run's groups that were in flight."""
         self._seq = 0
@@ -258,17 +306,30 @@ class GroupPool:
         group = Group(self._seq, pick, self.version())
         self._seq += 1
         name, env = self.envs[pick[0]]
-        task = asyncio.create_task(env.rollout_group(self.sampler, env.dataset[pick[1]], self.n))
+        task = asyncio.create_task(self._play(group, name, env, env.dataset[pick[1]], self.timeouts[pick[0]]))
         self._in_flight[group.seq] = (group, task)
         task.add_done_callback(lambda t, g=group, name=name: self._finished(g, name, t))
+
+    async def _play(self, group: Group, name: str, env: Environment, example, timeout_s: float | None) -> list[Rollout]:
+        async with self.limiter.episodes(name, self.n) if self.limiter is not None else contextlib.nullcontext():
+            group.version = self.version()  # its first request goes out now, maybe on newer weights
+            try:
+                async with asyncio.timeout(timeout_s):
+                    return await env.rollout_group(self.sampler, example, self.n)
+            except TimeoutError:
+                raise EpisodeTimeout(f"its episodes ran past episode_timeout_s = {timeout_s:g} s") from None
 
     def _finished(self, group: Group, name: str, task: asyncio.Task) -> None:
         self._in_flight.pop(group.seq, None)
         if task.cancelled():
             return
         if (error := task.exception()) is not None:
-            self.fail(error)
+            if isinstance(error, FATAL) or not isinstance(error, Exception):
+                self.fail(error)
+            else:
+                self._group_failed(group, name, error)
             return
+        self._failed_in_row = 0
         rollouts = task.result()
         if len(rollouts) != self.n:
             self.fail(RuntimeError(f"environment {name!r} returned {len(rollouts)} rollouts for a group of {self.n}"))
@@ -276,6 +337,30 @@ class GroupPool:
         group.rollouts = [(name, rollout) for rollout in rollouts]
         self._done.append(group)
         self._changed.set()
+
+    def _group_failed(self, group: Group, name: str, error: Exception) -> None:
+        """A group the environment could not play (its episodes raised, or ran past their
+        timeout): dropped, counted, said once per kind, and the slot goes to another group.
+        Groups failing one after another (more than a step's worth) are the environment's
+        failure, not an episode's: the run stops with the last one."""
+        kind = "episode_timeout" if isinstance(error, EpisodeTimeout) else "episode_error"
+        key = f"errors/{name}/{kind}"
+        self.failures[key] = self.failures.get(key, 0) + self.n
+        what = str(error) if kind == "episode_timeout" else f"its episodes raised {error_line(error)}"
+        self._failed_in_row += 1
+        if self._failed_in_row > max(self.k, MIN_FAILED_IN_ROW):
+            self.fail(RuntimeError(f"environment {name!r}: {self._failed_in_row} groups in a row failed; the last: {what}"))
+            return
+        if key not in self._said:
+            self._said.add(key)
+            self.log(f"environment {name!r}: a group was dropped: {what}; another starts in its place (said once; "
+                     f"counted in {key})")
+        self._changed.set()
+
+    def take_failures(self) -> dict[str, int]:
+        """The `errors/<env>/episode_*` counts since the last call, then start over."""
+        failures, self.failures = self.failures, {}
+        return failures
 
     def _raise_failure(self) -> None:
         if self._failure is not None:

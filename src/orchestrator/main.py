@@ -69,7 +69,9 @@ from orchestrator.client import InferenceClient
 from orchestrator.data import ExampleOrder
 from orchestrator.envs import load_env
 from orchestrator.entry import check_tool_parser, run_entry, start_loading_tokenizer
+from orchestrator.envworker import WorkerEnvironment
 from orchestrator.inflight import Group, GroupPool
+from orchestrator.load import EpisodeLimiter
 from orchestrator.preflight import PreflightFailed, preflight
 from orchestrator.progress import (
     Cursor,
@@ -196,6 +198,7 @@ def step_metrics(
         "policy/version": sync.version,
         "batch/zero_adv_groups_frac": float(zero_variance_groups(rewards, cfg.rollouts_per_example).mean()),
         "batch/finish_length_frac": float(np.mean([item.rollout.finish_reason == "length" for item in items])),
+        "batch/rollouts_without_tokens": sum(not item.rollout.turns for item in items),
         "seq/completion_len_mean": float(completion_lens.mean()),
         "seq/len_max": int(total_lens.max()),
         "seq/truncated_frac": float((total_lens > cfg.seq_len).mean()),
@@ -282,7 +285,7 @@ class Generation:
 
 
 def start_generation(cfg: OrchestratorConfig, envs, order: ExampleOrder, sampler: TokenSampler, client: InferenceClient,
-                     pending: list[tuple[int, int]]) -> Generation:
+                     pending: list[tuple[int, int]], limiter: EpisodeLimiter | None = None) -> Generation:
     """The pool of groups in flight (``batching = "step"``: one step's groups at a time, all
     of them at once, as the step barrier samples them), and with continuous batching the
     weight follower beside it."""
@@ -293,6 +296,7 @@ def start_generation(cfg: OrchestratorConfig, envs, order: ExampleOrder, sampler
         async_level=cfg.async_level,
         max_inflight=groups if one_step else cfg.max_inflight_groups or (cfg.async_level + 1) * groups,
         version=lambda: client.version, pending=pending, log=log, max_steps=cfg.max_steps, one_step=one_step,
+        limiter=limiter, timeouts=[env_cfg.episode_timeout_s for env_cfg in cfg.env],
     )
     reloads = Reloads()
     follower = None if one_step else asyncio.create_task(follow_weights(cfg, client, pool, reloads))
@@ -326,15 +330,24 @@ async def follow_weights(cfg: OrchestratorConfig, client: InferenceClient, pool:
         pool.fail(e)
 
 
-async def report_answers(client: InferenceClient, hb: Heartbeat) -> None:
+async def report_answers(client: InferenceClient, hb: Heartbeat, limiter: EpisodeLimiter) -> None:
     """Answered generation requests are progress too (a long evaluation or preflight sends
-    no batch for a while): the heartbeat says so whenever their count moved."""
+    no batch for a while): the heartbeat says so whenever their count moved. It also says
+    what is in flight (the limiter's view), which the watchdog shows when the run stalls."""
     seen = client.answered
     while True:
         await asyncio.sleep(PROGRESS_POLL_S)
+        hb.detail(limiter.describe())
         if client.answered != seen:
             seen = client.answered
             hb.progress(f"{seen} generation requests answered")
+
+
+def start_limiter(cfg: OrchestratorConfig, envs: list[tuple[str, Environment]], client: InferenceClient) -> EpisodeLimiter:
+    """The bound on episodes in flight (``orchestrator.load``), over every environment; the
+    workers' pids tell it which processes are whose episodes."""
+    workers = {name: env.worker.proc.pid for name, env in envs if isinstance(env, WorkerEnvironment)}
+    return EpisodeLimiter(cfg.load, cfg.output_dir, envs, workers, client, log, inference_floor=cfg.batch_size)
 
 
 def weights_stall(cfg: OrchestratorConfig, step: int) -> str:
@@ -396,7 +409,7 @@ async def step_batch(step: int, envs, sampler: TokenSampler, cfg: OrchestratorCo
         with hb.waiting(f"weights step {bound} for the evaluation at step {step}"):
             await pool.wait_for_version(bound, stall, cfg.weights_timeout_s)
         with hb.waiting(f"the evaluation at step {step}"):
-            eval_row = await evaluate(envs, sampler, cfg, client.version, step, traces)
+            eval_row = await evaluate(envs, sampler, cfg, client.version, step, traces, pool.limiter)
     with hb.waiting(f"step {step}'s {pool.k} groups (policy {client.version}, weights step >= {bound} needed)"):
         cut = await pool.cut(step, stall, cfg.weights_timeout_s, cfg.filter)
     return StepBatch(
@@ -404,7 +417,8 @@ async def step_batch(step: int, envs, sampler: TokenSampler, cfg: OrchestratorCo
         sync=generation.reloads.take(client.version),
         generate_s=cut.wait_s,
         rate_s=cut.span_s,
-        row={**cut.filter_row, "batch/stale_groups_dropped": cut.stale, "batch/groups_in_flight": cut.in_flight},
+        row={**cut.filter_row, "batch/stale_groups_dropped": cut.stale, "batch/groups_in_flight": cut.in_flight,
+             **(pool.limiter.row() if pool.limiter is not None else {}), **pool.take_failures()},
         cursor=Cursor(pool.order.state_dict(), pool.pending()),
         judged=cut.judged,
         eval_row=eval_row,
@@ -449,14 +463,16 @@ async def run(cfg: OrchestratorConfig, envs: list[tuple[str, Environment]], toke
                          wandb=metrics.wandb_run, per_turn=cfg.multi_turn == "per_turn")
     hb = Heartbeat(cfg.output_dir, "orchestrator")
     sender, generation, delivered = None, None, False
-    answers = asyncio.create_task(report_answers(client, hb))
+    limiter = start_limiter(cfg, envs, client)
+    answers = asyncio.create_task(report_answers(client, hb, limiter))
     try:
         sender = BatchSender(cfg.transport, cfg.num_trainer_ranks)  # bind early so trainer ranks can connect
         start, version, cursor = 0, 0, Cursor(order.state_dict())  # a fresh run: the initial model
         if cfg.ckpt.resume_step is not None:
             start, version, cursor = resume(cfg, data, order, sender, metrics, traces)
         startup_row = await prepare_servers(cfg, client, teacher, tokenizer, version, hb)
-        generation = start_generation(cfg, envs, order, sampler, client, cursor.pending)
+        await limiter.start()  # measured once inference is up: the budget counts what it holds
+        generation = start_generation(cfg, envs, order, sampler, client, cursor.pending, limiter)
         generation.pool.fill(start)  # continuous: the first groups sample while the trainer starts
         for step in range(start, cfg.max_steps):
             step_start = time.perf_counter()
@@ -495,11 +511,13 @@ async def run(cfg: OrchestratorConfig, envs: list[tuple[str, Environment]], toke
             with hb.waiting(f"the final weights (step {cfg.max_steps}) for the last evaluation"):
                 sync = await sync_policy(cfg.max_steps, client.version, cfg, client, async_level=0)
             with hb.waiting("the last evaluation"):
-                metrics.log(cfg.max_steps, await evaluate(envs, sampler, cfg, sync.version, cfg.max_steps, traces), process="eval")
+                metrics.log(cfg.max_steps, await evaluate(envs, sampler, cfg, sync.version, cfg.max_steps, traces, limiter),
+                            process="eval")
         delivered = True
     finally:
         answers.cancel()
         await stop_generation(generation)
+        await limiter.close()
         # After the last step, linger so queued batches still reach the trainer; on an error, drop them.
         if sender is not None:
             sender.close(flush=delivered)
@@ -584,7 +602,7 @@ def pack_step(items: list[ScoredRollout], step: int, cfg: OrchestratorConfig):
 
 
 async def evaluate(envs: list[tuple[str, Environment]], sampler: TokenSampler, cfg: OrchestratorConfig, version: int,
-                   step: int, traces: TraceWriter) -> dict:
+                   step: int, traces: TraceWriter, limiter: EpisodeLimiter | None) -> dict:
     """`eval/<env>/...` figures on the first `eval.num_examples` of each eval split, and the
     overall `eval/reward/mean`; the chosen groups of each traced (kind `eval`)."""
     start = time.perf_counter()
@@ -592,7 +610,7 @@ async def evaluate(envs: list[tuple[str, Environment]], sampler: TokenSampler, c
     all_groups = []
     for name, env in envs:
         examples = env.eval_examples(cfg.eval.num_examples)
-        groups = await run_groups(env, sampler, examples, cfg.eval.rollouts_per_example)
+        groups = await run_groups(env, sampler, examples, cfg.eval.rollouts_per_example, limiter=limiter, name=name)
         all_groups += groups
         row.update({f"eval/{name}/{key}": value for key, value in summarize(groups).items()})
         traces.write(traces.lines(traces.group_rows("eval", step, name, groups, tag=name)))

@@ -12,9 +12,13 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Sequence
 from math import comb
+from typing import TYPE_CHECKING
 
 import numpy as np
 from prime_rl.envs import Environment, Example, ModelClient, Rollout
+
+if TYPE_CHECKING:
+    from orchestrator.load import EpisodeLimiter
 
 EASY_REWARD = 0.8
 
@@ -25,11 +29,18 @@ async def run_groups(
     examples: Sequence[Example],
     n: int,
     on_group: Callable[[list[Rollout]], None] | None = None,
+    limiter: EpisodeLimiter | None = None,
+    name: str = "",
 ) -> list[list[Rollout]]:
-    """``n`` rollouts of every example (concurrently; the client caps requests in flight)."""
+    """``n`` rollouts of every example (concurrently; the client caps requests in flight, and
+    ``limiter`` the episodes in flight of environment ``name``)."""
 
     async def one(example: Example) -> list[Rollout]:
-        group = await env.rollout_group(client, example, n)
+        if limiter is None:
+            group = await env.rollout_group(client, example, n)
+        else:
+            async with limiter.episodes(name, n):
+                group = await env.rollout_group(client, example, n)
         if on_group is not None:
             on_group(group)
         return group

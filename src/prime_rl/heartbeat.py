@@ -15,7 +15,8 @@ written by rank 0 only)::
         wait_for_weights(step)                          # any blocking wait
         ...
 
-``progress(text)`` marks real work done (the watchdog's clock restarts); ``waiting(text)``
+``detail(text)`` says what the process has in flight (the orchestrator's episodes), shown by
+the watchdog beside the wait. ``progress(text)`` marks real work done (the watchdog's clock restarts); ``waiting(text)``
 says what the process blocks on, since when, and restores the previous state on exit (waits
 nest: the inner one is shown while it lasts). A wait is not progress. Neither ever raises: a
 failed write (disk full, permission denied) is reported once on stderr and otherwise ignored,
@@ -57,6 +58,9 @@ class Beat:
     progress_unix: float
     waiting_for: str | None = None
     waiting_since: float | None = None
+    detail: str | None = None
+    """What the process has in flight now (the orchestrator: episodes per environment, the
+    oldest's start, groups waiting for memory), shown beside what it waits for."""
 
 
 class Heartbeat:
@@ -68,6 +72,7 @@ class Heartbeat:
         self.min_interval_s = min_interval_s
         self._progress, self._progress_unix = "started", time.time()
         self._waits: list[tuple[str, float]] = []  # stack of (what, since): the innermost is shown
+        self._detail: str | None = None
         self._written_at = -math.inf  # monotonic time of the last write
         self._burst = False  # the last write was a progress(): the next one within min_interval_s waits
         self._warned = False
@@ -94,9 +99,17 @@ class Heartbeat:
             self._waits.pop()
             self._write()
 
+    def detail(self, text: str | None) -> None:
+        """What is in flight now (see ``Beat.detail``); written with the next write, or now
+        when the last write is ``min_interval_s`` old."""
+        if text != self._detail:
+            self._detail = text
+            if time.monotonic() - self._written_at >= self.min_interval_s:
+                self._write()
+
     def beat(self) -> Beat:
         what, since = self._waits[-1] if self._waits else (None, None)
-        return Beat(os.getpid(), self._progress, self._progress_unix, what, since)
+        return Beat(os.getpid(), self._progress, self._progress_unix, what, since, self._detail)
 
     def _write(self) -> None:
         self._burst = False
@@ -133,4 +146,5 @@ def _well_typed(b: Beat) -> bool:
     waiting_ok = (b.waiting_for is None and b.waiting_since is None) or (
         isinstance(b.waiting_for, str) and unix(b.waiting_since)
     )
-    return isinstance(b.pid, int) and isinstance(b.progress, str) and unix(b.progress_unix) and waiting_ok
+    detail_ok = b.detail is None or isinstance(b.detail, str)
+    return isinstance(b.pid, int) and isinstance(b.progress, str) and unix(b.progress_unix) and waiting_ok and detail_ok

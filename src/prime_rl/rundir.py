@@ -45,6 +45,13 @@ def log_path(run: Path, process: str) -> Path:
     return logs_dir(run) / f"{process}.log"
 
 
+def load_state_path(run: Path) -> Path:
+    """``RUN/logs/load.json``: what the orchestrator's episode limiter last saw (its memory
+    budget, the environment workers' pids), rewritten atomically every poll; the launcher's
+    out-of-memory report reads it (``prime_rl.launch.oom``)."""
+    return logs_dir(run) / "load.json"
+
+
 def metrics_path(run: Path) -> Path:
     return Path(run) / "metrics.jsonl"
 

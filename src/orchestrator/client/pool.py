@@ -178,6 +178,19 @@ class ReplicaPool:
             self.trust.forget(replica)  # not our healthy server: the next poll asks the proof again
             raise _NotHealthy(f"status {response.status_code}")
 
+    async def metrics_texts(self, timeout_s: float) -> list[str | None]:
+        """Each replica's Prometheus text (GET /metrics), None where it could not be read
+        (monitoring: never raises, never drops a replica's trust)."""
+
+        async def one(replica: Replica) -> str | None:
+            try:
+                response = await replica.http.get("/metrics", timeout=timeout_s)
+            except httpx.HTTPError:
+                return None
+            return response.text if response.status_code == 200 else None
+
+        return list(await asyncio.gather(*(one(replica) for replica in self.replicas)))
+
     # ----------------------------------------------------------------------- requests
 
     async def post(

@@ -92,6 +92,10 @@ class InferenceClient(_PoolClient):
     def requests_per_replica(self) -> list[int]:
         return self.pool.requests_per_replica()
 
+    async def server_metrics(self, timeout_s: float = 5.0) -> list[str | None]:
+        """``ReplicaPool.metrics_texts``: vLLM's own figures, for the episode limiter."""
+        return await self.pool.metrics_texts(timeout_s)
+
     async def reload_weights(self, weights_path: Path | str, version: int | None = None, *, keep: bool = False) -> None:
         """``VllmAdmin.reload_weights``."""
         await self.admin.reload_weights(weights_path, version, keep=keep)

@@ -37,7 +37,7 @@ import traceback
 from typing import Any
 
 import vfworker_wire as wire
-from vfworker_util import LoadError, exit_process, log, one_line, plain
+from vfworker_util import LoadError, cap_output, exit_process, log, one_line, plain
 
 HEARTBEAT_S = 2.0
 NETWORK_MODULES = ("datasets", "huggingface_hub", "nltk", "requests", "httpx", "urllib", "urllib3", "openai",
@@ -203,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parent", type=int, required=True)
     args = parser.parse_args(argv)
     die_with_parent(args.parent)
+    cap_output()  # before the environment's modules make their loggers, which keep sys.stderr
     sock = socket.socket(fileno=args.fd)
     message = wire.recv_blocking(sock, timeout_s=60)
     if message.get("op") != "load":

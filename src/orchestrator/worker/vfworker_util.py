@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import importlib
+import io
 import os
 import sys
 import threading
@@ -14,8 +15,55 @@ class LoadError(Exception):
     """The environment cannot be loaded; the message is one line for the user."""
 
 
+OUTPUT_CAP_BYTES = 20_000_000
+"""The most the environment's own prints (stdout and stderr together) may add to its log."""
+
+
 def log(message: str) -> None:
-    print(f"[env-worker] {message}", file=sys.stderr, flush=True)
+    """The worker's own line: past the cap on the environment's output (``cap_output``)."""
+    stream = sys.__stderr__ or sys.stderr
+    print(f"[env-worker] {message}", file=stream, flush=True)
+
+
+class _CappedStream(io.TextIOBase):
+    """A text stream that writes through to ``raw`` until the shared ``budget`` is spent,
+    then says once that the rest is cut off (an environment that prints megabytes an
+    episode would fill the disk under load)."""
+
+    def __init__(self, raw, budget: list[int]):
+        self.raw, self.budget = raw, budget
+
+    def write(self, text: str) -> int:
+        size = len(text)
+        if self.budget[0] >= size:
+            self.budget[0] -= size
+            self.raw.write(text)
+        elif self.budget[0] >= 0:
+            self.budget[0] = -1
+            log(f"the environment's output passed {OUTPUT_CAP_BYTES / 1e6:.0f} MB: the rest is cut off "
+                "(said once; the run goes on)")
+        return size
+
+    def flush(self) -> None:
+        self.raw.flush()
+
+    def fileno(self) -> int:
+        return self.raw.fileno()
+
+    def isatty(self) -> bool:
+        return False
+
+    @property
+    def encoding(self) -> str:
+        return getattr(self.raw, "encoding", "utf-8")
+
+
+def cap_output(cap: int = OUTPUT_CAP_BYTES) -> None:
+    """Cap what the environment prints (stdout and stderr together, Python's own writes) at
+    ``cap`` characters; the worker's ``log`` lines are not counted."""
+    budget = [cap]
+    sys.stdout = _CappedStream(sys.__stdout__, budget)
+    sys.stderr = _CappedStream(sys.__stderr__, budget)
 
 
 def exit_process(code: int) -> None:

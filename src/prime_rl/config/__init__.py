@@ -51,6 +51,7 @@ from prime_rl.config.orchestrator import (  # noqa: F401
     AdvantageConfig,
     EvalConfig,
     FilterConfig,
+    LoadConfig,
     OrchestratorConfig,
     PreflightConfig,
     TeacherClientConfig,

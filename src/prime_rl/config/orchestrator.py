@@ -75,6 +75,19 @@ class TracesConfig(StrictModel):
     """With W&B on, the traced rollouts of every this many steps as a table (`traces/rollouts`); 0 = never."""
 
 
+class LoadConfig(StrictModel):
+    """How many episodes run at once: bounded by the run's memory and by what inference keeps up with (`orchestrator.load`)."""
+
+    memory_budget_gb: float | None = Field(None, gt=0)
+    """The most memory all of the run's processes together may hold (inference, trainer, orchestrator, environment workers and their episodes' programs, as resident memory): a group of episodes starts only while its estimated memory fits. None = 90% of what the machine (or its cgroup's limit) could give the run when the orchestrator started: the memory available then plus what the run already held."""
+
+    inference_signals: bool = True
+    """Also bound the episodes in flight by vLLM's own signals (its `/metrics`): cut by a quarter when it preempts requests or its KV cache is 95% full, grown by a group a second while under 80%."""
+
+    poll_s: float = Field(1.0, gt=0, le=60)
+    """Seconds between measurements of the run's memory and vLLM's signals."""
+
+
 class AdvantageConfig(StrictModel):
     normalize_std: bool = False
     """Divide each group's centred rewards by the group's reward std (GRPO); off = Dr. GRPO style."""
@@ -167,6 +180,9 @@ class OrchestratorConfig(StrictModel):
 
     traces: TracesConfig = TracesConfig()
     """A sample of every step's rollouts in `RUN/traces/`, for people to read."""
+
+    load: LoadConfig = LoadConfig()
+    """Episodes in flight, bounded by memory and by vLLM's signals."""
 
     transport: TransportConfig = TransportConfig()
     """Where micro-batches go."""

@@ -163,6 +163,9 @@ class EnvConfig(StrictModel):
     max_concurrent: int = Field(64, ge=1)
     """Most groups of this environment played at once in its worker process (with `python`, or a verifiers environment)."""
 
+    episode_timeout_s: float | None = Field(3600.0, gt=0)
+    """Longest a group's episodes (which run together: every turn, tool call and model call of each) may take: a group still running then is cut off (its episodes cancelled, a worker's harness programs stopped), counted in `errors/<env>/episode_timeout`, said once, and another group starts in its place; None = no limit."""
+
     worker_timeout_s: float = Field(120.0, gt=0)
     """A worker process that sends nothing for this long (it sends a heartbeat every 2 s) is taken to hang: the run stops with an error naming the environment."""
 
