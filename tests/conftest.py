@@ -1,11 +1,13 @@
 import os
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
+from prime_rl import procmem
 
-from helpers import REPO, build_tiny
+from helpers import REPO, build_tiny, remove_cgroup
 
 # vLLM renames its engine and worker processes (setproctitle), which by default writes the
 # title over the area /proc/PID/environ shows: the test tag helpers.tagged_processes looks
@@ -87,3 +89,31 @@ def tool_model(tmp_path_factory, tiny_model) -> Path:
     done = subprocess.run([sys.executable, "-m", "prime_rl.cli", "sft", str(config)], capture_output=True, text=True)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     return out
+
+
+@pytest.fixture
+def small_memory_cgroup():
+    """A memory cgroup of 64 MiB beside nothing of the sandbox's (v1 or v2, under our own)."""
+    found = procmem.memory_cgroup()
+    if found is None:
+        pytest.skip("no memory cgroup is mounted here")
+    version, own = found
+    cgroup = own / f"prime-rl-oom-test-{uuid.uuid4().hex[:8]}"
+    limit = str(64 << 20)
+    try:
+        if version == 2 and "memory" not in (own / "cgroup.subtree_control").read_text().split():
+            (own / "cgroup.subtree_control").write_text("+memory")  # refused where our cgroup holds processes
+        cgroup.mkdir()
+        if version == 2:
+            (cgroup / "memory.max").write_text(limit)
+            if (cgroup / "memory.swap.max").exists():
+                (cgroup / "memory.swap.max").write_text("0")
+        else:
+            (cgroup / "memory.limit_in_bytes").write_text(limit)
+            if (cgroup / "memory.memsw.limit_in_bytes").exists():
+                (cgroup / "memory.memsw.limit_in_bytes").write_text(limit)
+    except OSError as e:
+        remove_cgroup(cgroup)
+        pytest.skip(f"no writable memory cgroup: cannot make one under {own} ({e})")
+    yield version, cgroup
+    remove_cgroup(cgroup)

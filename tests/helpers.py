@@ -7,8 +7,11 @@ import os
 import re
 import signal
 import socket
+import stat
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 import uuid
 from contextlib import contextmanager
@@ -207,6 +210,83 @@ def sandbox_unavailable() -> str | None:
     return None
 
 
+# --------------------------------------------------------------------------- vLLM's IPC sockets
+
+IPC_NAME = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+"""How vLLM names each ZeroMQ IPC socket it binds (a uuid4, vllm.utils.network_utils.get_open_zmq_ipc_path)."""
+
+
+def ipc_sockets_in_tmp() -> set[str]:
+    """The names of the sockets named like vLLM's directly in the temporary directory."""
+    names = set()
+    with os.scandir(tempfile.gettempdir()) as entries:
+        for entry in entries:
+            try:
+                if IPC_NAME.fullmatch(entry.name) and stat.S_ISSOCK(entry.stat(follow_symlinks=False).st_mode):
+                    names.add(entry.name)
+            except OSError:  # removed meanwhile by whoever made it
+                continue
+    return names
+
+
+def bound_sockets(pid: int) -> dict[Path, int]:
+    """Each UNIX socket path ``pid`` and its descendants have bound, with its directory's mode
+    (vLLM's engine processes are the server's descendants)."""
+    import psutil
+
+    try:
+        tree = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    except psutil.Error:
+        return {}
+    found = {}
+    for process in tree:
+        try:
+            paths = [Path(c.laddr) for c in process.net_connections(kind="unix") if c.laddr.startswith("/")]
+        except psutil.Error:  # gone meanwhile
+            continue
+        for path in paths:
+            try:
+                found[path] = stat.S_IMODE(path.parent.stat().st_mode)
+            except OSError:
+                continue
+    return found
+
+
+@contextmanager
+def watched_sockets(pid: int, poll_s: float = 1.0):
+    """Every socket ``pid``'s tree binds while the block runs (``bound_sockets``, polled in a thread)."""
+    seen: dict[Path, int] = {}
+    done = threading.Event()
+
+    def poll() -> None:
+        while not done.wait(poll_s):
+            seen.update(bound_sockets(pid))
+
+    thread = threading.Thread(target=poll, daemon=True)
+    thread.start()
+    try:
+        yield seen
+    finally:
+        done.set()
+        thread.join(timeout=30)
+
+
+def assert_no_ipc_socket_left(seen: dict[Path, int], before: set[str]) -> None:
+    """vLLM's IPC sockets that a run's processes bound (``seen``, ``bound_sockets``) each lay in
+    a private directory (0700) the launcher made for their server directly under the temporary
+    directory, each directory is gone, and none of them is in the temporary directory itself
+    (``before``: vLLM-named sockets there before the run; other processes may add theirs meanwhile)."""
+    ipc = {path: mode for path, mode in seen.items() if IPC_NAME.fullmatch(path.name)}
+    assert ipc, f"no vLLM IPC socket seen among {sorted(seen)}"
+    tmp = Path(tempfile.gettempdir())
+    for path, mode in ipc.items():
+        assert path.parent.parent == tmp and path.parent.name.startswith("prime-rl-inference"), path
+        assert mode == 0o700, (path, oct(mode))
+    left = sorted({path.parent for path in ipc if path.parent.exists()})
+    assert not left, f"private directories left after the run: {left}"
+    assert not (ipc_sockets_in_tmp() - before) & {path.name for path in ipc}
+
+
 # --------------------------------------------------------------------------- launcher runs
 
 def finish(proc, run_dir, timeout=900) -> str:
@@ -380,3 +460,15 @@ def assert_no_secret_in_traces(run_dir) -> None:
     assert secrets, "the run's configs hold its keys"
     text = "".join(path.read_text() for path in trace_files(run_dir))
     assert text and not [s for s in secrets if s in text]
+
+
+def remove_cgroup(cgroup: Path) -> None:
+    """Kill what is left in it, then remove it (bounded)."""
+    deadline = time.monotonic() + 10
+    while cgroup.exists() and time.monotonic() < deadline:
+        try:
+            for pid in (cgroup / "cgroup.procs").read_text().split():
+                os.kill(int(pid), signal.SIGKILL)
+            cgroup.rmdir()
+        except (OSError, ValueError):  # EBUSY while the last ones exit
+            time.sleep(0.05)

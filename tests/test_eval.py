@@ -23,6 +23,7 @@ from orchestrator.envs.reverse_text import lcs_ratio
 from fake_inference import FakeInferenceServer
 from orchestrator.sampler import ChatSampler
 from prime_rl.cli import load_eval_config, main, resolve_eval
+from prime_rl.commands.common import served_process_specs
 from prime_rl.config import ClientConfig, EvalEnvConfig, EvalRunConfig, EvalSamplingConfig, KNOWN_ENVIRONMENTS
 from prime_rl.envs import Example, Rollout
 from prime_rl.endpoints import load_endpoints
@@ -133,6 +134,10 @@ def test_local_model_gets_its_own_server_on_a_free_port(tmp_path, tiny_model):
     assert pinned.client.base_url == "http://127.0.0.1:8123"
     # our own server requires a key on every route: one drawn per launch, the client's too
     assert cfg.inference.api_key and cfg.client.api_key == cfg.inference.api_key != pinned.inference.api_key
+    # vLLM beside the eval, its sockets in a directory of its own the launcher removes after it
+    specs = served_process_specs(cfg, tmp_path, "eval", "orchestrator.eval")
+    assert [(s.name, s.tmp_dir_env) for s in specs] == [("inference", "TMPDIR"), ("eval", None)]
+    assert set(specs[0].env) == {"TORCHINDUCTOR_CACHE_DIR"} and (tmp_path / "configs" / "inference.json").is_file()
 
 
 def test_a_lora_runs_weights_are_served_as_an_adapter_on_their_base_model(tmp_path, tiny_model):

@@ -1,11 +1,13 @@
 """Launcher lifecycle with stand-in processes: failure naming, Ctrl-C, no orphans."""
 
+import json
 import os
 import re
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -148,6 +150,87 @@ def test_with_tmux_nothing_of_the_run_is_left_the_moment_the_launcher_returns(tm
 
 SESSION_NAMES = ["prime-rl-qwen0.6b", "prime-rl-a:b", "prime-rl-my run", "prime-rl-it's \"q\"", "prime-rl-" + "x" * 300,
                  "prime-rl-ünï", "prime-rl-a\nb", "prime-rl-$(id)", ""]
+
+
+# --------------------------------------------------------------------------- a server's private temporary directory
+
+
+def socket_server(record: Path, then: str) -> str:
+    """A stand-in vLLM: binds a UNIX socket in $VLLM_RPC_BASE_PATH, as vLLM binds its IPC ones
+    (named by a uuid4), removes none, records where (written whole: a rename), then ``then``."""
+    return "\n".join([
+        "import json, os, socket, stat, uuid",
+        "base = os.environ['VLLM_RPC_BASE_PATH']",
+        "server = socket.socket(socket.AF_UNIX)",
+        "server.bind(os.path.join(base, str(uuid.uuid4())))",
+        "seen = {'base': base, 'mode': stat.S_IMODE(os.stat(base).st_mode), 'sockets': os.listdir(base)}",
+        f"open({str(record)!r} + '.tmp', 'w').write(json.dumps(seen))",
+        f"os.replace({str(record)!r} + '.tmp', {str(record)!r})",
+        then,
+    ])
+
+
+def waiter(record: Path, then: str) -> str:
+    """A trainer that says whether it got a directory too once the server recorded its socket, then ``then``."""
+    return "\n".join([
+        "import os, pathlib, time",
+        f"record, deadline = pathlib.Path({str(record)!r}), time.monotonic() + 60",
+        "while not record.exists() and time.monotonic() < deadline:",
+        "    time.sleep(0.05)",
+        "print('trainer directory:', os.environ.get('VLLM_RPC_BASE_PATH'), flush=True)",
+        then,
+    ])
+
+
+@pytest.mark.parametrize("ending", ["stopped", "killed"])
+def test_a_servers_sockets_go_with_the_private_directory_it_was_given(tmp_path, ending):
+    """A process with ``tmp_dir_env`` (every vLLM server) finds a fresh directory there (0700,
+    directly under the temporary directory, short enough for a socket), made at its start and
+    removed once it stopped, with the sockets it left: at the end of the run (``stopped``) and
+    when it dies by SIGKILL mid-run (``killed``). Other processes get none."""
+    record = tmp_path / f"{ending}.json"
+    # stopped: the server serves until the trainer finished; killed: it dies while the trainer works
+    serve, die = "import time; time.sleep(600)", "import signal; os.kill(os.getpid(), signal.SIGKILL)"
+    server, trainer = (serve, "pass") if ending == "stopped" else (die, serve)
+    specs = f"""[
+        ProcessSpec("inference", [sys.executable, "-c", {socket_server(record, server)!r}], required=False,
+                    tmp_dir_env="VLLM_RPC_BASE_PATH"),
+        ProcessSpec("trainer", [sys.executable, "-c", {waiter(record, trainer)!r}]),
+    ]"""
+    tag = new_tag()
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_RPC_BASE_PATH"} | {"PRIME_RL_TEST_TAG": tag}
+    proc = subprocess.run([sys.executable, "-c", driver(tmp_path, specs)], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == (0 if ending == "stopped" else 1), proc.stderr
+    seen = json.loads(record.read_text())
+    base = Path(seen["base"])
+    assert base.parent == Path(tempfile.gettempdir()) and base.name.startswith("prime-rl-inference-"), base
+    assert seen["mode"] == 0o700 and len(seen["sockets"]) == 1
+    assert len(os.fsencode(base)) + launcher.SOCKET_NAME_ROOM <= launcher.SOCKET_PATH_MAX
+    assert not base.exists(), "the directory, and the socket in it, go with the server"
+    assert "trainer directory: None" in (tmp_path / "logs" / "trainer.log").read_text()
+    assert tagged_processes(tag) == []
+
+
+def test_a_temporary_directory_too_long_for_a_socket_gives_way_to_tmp(tmp_path, monkeypatch):
+    """Under a TMPDIR so long that a socket path in it would pass the 107 bytes a UNIX socket
+    holds, the directory is made in /tmp instead."""
+    long = tmp_path / ("t" * 90)
+    long.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(long))
+    path = Path(launcher.private_tmp_dir("inference"))
+    try:
+        assert path.parent == Path("/tmp") and list(long.iterdir()) == []
+    finally:
+        path.rmdir()
+
+
+def test_a_directory_that_cannot_be_removed_is_one_line(tmp_path, monkeypatch, capsys):
+    stuck = tmp_path / "prime-rl-inference-x"
+    stuck.mkdir()
+    monkeypatch.setattr(launcher.shutil, "rmtree", lambda path, ignore_errors=False: None)
+    launcher.remove_tmp_dir("inference", str(stuck))
+    err = capsys.readouterr().err
+    assert err == f"[prime-rl] warning: could not remove inference's temporary directory {stuck}\n"
 
 
 def test_tmux_session_names_are_ones_tmux_accepts():

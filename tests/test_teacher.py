@@ -59,6 +59,7 @@ def test_a_local_teacher_is_served_on_its_own_port_and_gpus(tmp_path):
     specs = {s.name: s for s in process_specs(placed(cfg, placement), tmp_path, placement)}
     teacher = specs["teacher"]
     assert teacher.env["CUDA_VISIBLE_DEVICES"] == "3" and not teacher.required  # a server, like inference
+    assert teacher.tmp_dir_env == "TMPDIR"  # a vLLM server: its sockets in a directory of its own
     served = (tmp_path / "configs" / "teacher.json").read_text()
     assert '"model": "teacher-model"' in served and '"port": 8123' in served and '"seq_len": 513' in served
     assert ("127.0.0.1", 8123) in {(b.host, b.port) for b in rl_bindings(cfg, placement)}

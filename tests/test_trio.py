@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from helpers import (
-    REPO, assert_traced, finish, free_port, kill_mid_run, mask_spans, new_tag, resume, start_launcher, tagged_processes, trio_toml,
+    REPO, assert_no_ipc_socket_left, assert_traced, finish, free_port, ipc_sockets_in_tmp, kill_mid_run, mask_spans, new_tag, resume,
+    start_launcher, tagged_processes, trio_toml, watched_sockets,
 )
 from orchestrator.data import ExampleOrder
 from orchestrator.envs import load_env
@@ -121,6 +122,8 @@ class TmuxRun:
     drawn: str  # everything the status pane drew
     session_left: bool  # whether the tmux session still existed after the run
     left_running: list  # tagged processes alive after the run
+    sockets: dict  # the UNIX sockets the run's processes bound, with their directories' modes
+    tmp_before: set  # vLLM-named sockets in /tmp before the run
 
 
 def watch_panes(proc, server, session_name: str, drawn: Path) -> set[str]:
@@ -157,15 +160,17 @@ def tmux_run(tmp_path_factory, sampling_defaults_model) -> TmuxRun:
     import libtmux
 
     tmp_path = tmp_path_factory.mktemp("tmux")
+    tmp_before = ipc_sockets_in_tmp()
     proc, run_dir, tag = launch(tmp_path, sampling_defaults_model, f"tmux-{os.getpid()}", env=MULTI_TURN_ENV, seq_len=768,
                                 max_tokens=MULTI_TURN_MAX_TOKENS,
                                 extra=EVAL + f"\n[dashboard]\nenabled = true\nport = {free_port()}\n")
     session_name = f"prime-rl-{run_dir.name}"
     server, drawn = libtmux.Server(), tmp_path / "status-pane.txt"
-    seen = watch_panes(proc, server, session_name, drawn)
-    out = finish(proc, run_dir)
+    with watched_sockets(proc.pid) as sockets:
+        seen = watch_panes(proc, server, session_name, drawn)
+        out = finish(proc, run_dir)
     return TmuxRun(run_dir, out, session_name, seen, drawn.read_text() if drawn.is_file() else "",
-                   server.has_session(session_name), tagged_processes(tag))
+                   server.has_session(session_name), tagged_processes(tag), dict(sockets), tmp_before)
 
 
 def test_tmux_mode_shows_one_pane_per_process(tmux_run):
@@ -179,6 +184,13 @@ def test_tmux_mode_shows_one_pane_per_process(tmux_run):
     assert f"tmux attach -t {tmux_run.session_name}" in tmux_run.out
     assert not tmux_run.session_left, "the tmux session must be gone after the run"
     assert tmux_run.left_running == []
+
+
+def test_vllm_leaves_no_socket_in_tmp(tmux_run):
+    """vLLM's ZeroMQ IPC sockets (8 files per start piled up in /tmp, as vLLM removes none) lay
+    in a private directory the launcher made for the server and removed after it
+    (``assert_no_ipc_socket_left``)."""
+    assert_no_ipc_socket_left(tmux_run.sockets, tmux_run.tmp_before)
 
 
 def test_every_step_trains_once_on_the_full_softmax_and_hands_off_in_order(tmux_run):

@@ -26,7 +26,9 @@ import psutil
 import pytest
 
 import prime_rl.cli
-from helpers import REPO, free_port, free_port_pair, new_tag, tagged_processes, trio_toml
+from helpers import (
+    REPO, assert_no_ipc_socket_left, bound_sockets, free_port, free_port_pair, ipc_sockets_in_tmp, new_tag, tagged_processes, trio_toml,
+)
 from prime_rl.launch import warm
 from prime_rl.cli import main
 from prime_rl.config import RLConfig
@@ -506,10 +508,12 @@ def test_two_runs_attach_to_one_warm_server_and_each_samples_its_own_weights(tmp
     port, tag = free_port_pair(), new_tag()
     first_config = rl_config(tmp_path, tiny_model, port, name="first")
     second_config = rl_config(tmp_path, other_tiny_model, port, name="second")  # same architecture, other weights
+    tmp_before = ipc_sockets_in_tmp()
     server = start_server(first_config, tag)
     state = servers_dir / f"127.0.0.1-{port}.json"
     try:
         out = wait_ready(server)
+        sockets = bound_sockets(server.pid)  # vLLM's, bound by now
         assert state.is_file() and warm.read_state(state).pid == server.pid
         # vLLM's worker, forked from its API server (inference.cpu_fork), keeps to the cores vLLM
         # bound it to, as a spawned one does (unbound, it ran on every core beside the trainer)
@@ -535,9 +539,13 @@ def test_two_runs_attach_to_one_warm_server_and_each_samples_its_own_weights(tmp
             # the trainer scores with the run's own weights: vLLM served those, not the previous run's
             assert row["loss/mismatch_kl"] < 1e-3, row
         assert server.poll() is None, "the warm server keeps running after the runs"
+        private = {path.parent for path in sockets if path.parent.name.startswith("prime-rl-inference-")}
+        assert private and all(d.is_dir() for d in private), "its socket directory lives as long as it does"
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         out, _ = server.communicate(timeout=120)
     assert server.returncode == 130, out
     assert not state.exists() and not key_file.exists(), "the state file and the drawn key go with their server"
+    # the server's IPC sockets, in a directory of its own that went with it (not the short-lived runs')
+    assert_no_ipc_socket_left(sockets, tmp_before)
     assert tagged_processes(tag) == [], "no process of the server or the runs may survive"

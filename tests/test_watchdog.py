@@ -30,7 +30,7 @@ def test_heartbeat_round_trip(tmp_path):
     beat = read_heartbeats(tmp_path, ["trainer", "orchestrator"])
     assert beat["orchestrator"] is None
     assert beat["trainer"].progress == "trained step 5" and before <= beat["trainer"].progress_unix <= time.time()
-    assert set(json.loads(path.read_text())) == {"pid", "progress", "progress_unix", "waiting_for", "waiting_since"}
+    assert set(json.loads(path.read_text())) == {"pid", "progress", "progress_unix", "waiting_for", "waiting_since", "detail"}
 
 
 def test_waiting_nests_and_restores_the_previous_state(tmp_path):
@@ -138,6 +138,15 @@ def test_report_names_what_each_process_waits_for():
         f"orchestrator: waiting for weights step 5 since {clock} (120 s)",
         'trainer: last progress "trained step 4" 140 s ago',
     )
+
+
+def test_report_says_what_the_orchestrator_has_in_flight():
+    """Not only "started": the episodes in flight per environment and the oldest's start."""
+    detail = "64 episodes in flight in environment 'v1-reverse' (oldest since 10:04:12); 3 groups waiting to start"
+    b = beats(Beat(1, "started", T0, "step 0's 32 groups", T0 + 5, detail), None)
+    verdict = decide(b, now=T0 + 150)
+    clock = time.strftime("%H:%M:%S", time.localtime(T0 + 5))
+    assert verdict.lines[1] == f"orchestrator: waiting for step 0's 32 groups since {clock} (145 s); {detail}"
 
 
 def test_a_required_process_without_heartbeat_and_a_finished_one():

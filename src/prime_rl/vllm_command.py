@@ -16,6 +16,7 @@ the environment variable ``prime_rl.keys.API_KEY_ENV``.
 from __future__ import annotations
 
 import importlib.metadata
+import os
 import shlex
 import sys
 from collections.abc import Mapping
@@ -28,6 +29,24 @@ CPU_FORK_SERVER = "inference.vllm_cpu"
 
 AUTH_MIDDLEWARE = "inference.auth.RequireApiKey"
 """vLLM `--middleware` that requires the key on every route (vLLM's `--api-key` guards /v1 only)."""
+
+TMP_DIR_ENV = "TMPDIR"
+"""The temporary directory of a vLLM server, where it binds its ZeroMQ IPC sockets
+(`VLLM_RPC_BASE_PATH` defaults to it) and writes its `vllm_dist_<uuid>` init file, and removes
+neither, even on a clean exit (2,786 sockets and 506 init files had piled up in /tmp here): the
+launcher gives every server a private one, made at its start and removed once it stopped
+(``prime_rl.launch.launcher.ProcessSpec.tmp_dir_env``). torch's compile cache, which defaults
+to a folder there too, stays where it was (``server_env``)."""
+
+
+def server_env() -> dict[str, str]:
+    """What a vLLM server's environment keeps of the machine's temporary directory: torch
+    inductor's compile cache, reused across runs (a private TMPDIR would start it empty)."""
+    import getpass
+    import tempfile
+
+    default = os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")
+    return {"TORCHINDUCTOR_CACHE_DIR": os.environ.get("TORCHINDUCTOR_CACHE_DIR", default)}
 
 
 def on_cpu() -> bool:

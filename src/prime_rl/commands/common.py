@@ -16,9 +16,9 @@ from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 
 from prime_rl.config import EvalRunConfig, GepaRunConfig, RLConfig, check_env_args
-from prime_rl.launch.deployment import QUIET, Placement, PlacementError, plan_single_node, write_config
+from prime_rl.launch.deployment import QUIET, Placement, PlacementError, plan_single_node, server_spec, write_config
 from prime_rl.launch.launcher import ProcessSpec
-from prime_rl.rundir import config_path, output_dir_problem
+from prime_rl.rundir import output_dir_problem
 from prime_rl.settings import ConfigError, deep_merge, format_validation_error, help_text, parse_flags, read_config_file
 
 
@@ -176,10 +176,8 @@ def served_process_specs(config: EvalRunConfig | GepaRunConfig, run_dir: Path, n
     python = sys.executable
     quiet = {**QUIET, "OMP_NUM_THREADS": "1"}
     specs = []
-    if config.target.type == "local":
-        write_config(run_dir, "inference", config.inference.model_dump(mode="json"))
-        specs.append(ProcessSpec("inference", [python, "-m", "inference.server", "--config", str(config_path(run_dir, "inference"))],
-                                 env={}, required=False))
+    if config.target.type == "local":  # no CUDA_VISIBLE_DEVICES of its own: the devices the command sees
+        specs.append(server_spec(run_dir, "inference", config.inference, (), python))
     path = write_config(run_dir, name, config.model_dump(mode="json"))
     specs.append(ProcessSpec(name, [python, "-m", module, "--config", str(path)], env=quiet, terminal=True))
     return specs

@@ -34,7 +34,7 @@ from prime_rl.launch.ports import Binding
 from prime_rl.observe.dashboard import DASHBOARD_TOKEN_ENV, is_loopback, page_url
 from prime_rl.rundir import config_path, write_json_atomic
 from prime_rl.launch.teacher import teacher_inference
-from prime_rl.vllm_command import shell_line
+from prime_rl.vllm_command import TMP_DIR_ENV, server_env, shell_line
 
 # One thread per process: the processes share the cores (docs/machine_facts.md), and
 # OMP_WAIT_POLICY=PASSIVE stops idle OpenMP threads from spinning.
@@ -332,9 +332,12 @@ def teacher_server(config: RLConfig, teacher: Replica) -> InferenceConfig:
 
 def server_spec(run_dir: Path, name: str, inference: InferenceConfig, gpus: tuple[int, ...], python: str) -> ProcessSpec:
     """A vLLM server (`inference.server`) on ``gpus``, its config in RUN/configs/<name>.json; a
-    server, not required to exit (the run ends when its other processes are done)."""
+    server, not required to exit (the run ends when its other processes are done), its IPC
+    temporary files (IPC sockets, its init file) in a directory of its own that the launcher
+    removes after it (``TMP_DIR_ENV``)."""
     path = write_config(run_dir, name, inference.model_dump(mode="json"))
-    return ProcessSpec(name, [python, "-m", "inference.server", "--config", str(path)], env=visible(gpus), required=False)
+    return ProcessSpec(name, [python, "-m", "inference.server", "--config", str(path)],
+                       env={**server_env(), **visible(gpus)}, required=False, tmp_dir_env=TMP_DIR_ENV)
 
 
 def trainer_spec(config: RLConfig, run_dir: Path, placement: Placement, plan: NodePlan, python: str, job_id: str) -> ProcessSpec:

@@ -11,8 +11,22 @@ With a watchdog (``[watchdog]``), it also reads each process's heartbeat
 prints what each one is doing or waiting for, and after ``timeout_s`` it stops the run with
 ``Stalled``, so that a run whose processes are all alive but stuck never hangs silently.
 
+Every poll it also looks for the kernel's out-of-memory killer among the run's processes,
+descendants included (``prime_rl.launch.oom``: the kernel log, the cgroup's OOM kill count,
+or a SIGKILL while memory was low), walking their trees every few seconds for their memory.
+An OOM kill stops the run with ``OutOfMemory``: one line naming the victim and the run's
+biggest memory users, and exit code 137 (128 + SIGKILL, what container runtimes report for
+an OOM kill, so a job script can requeue the run with ``--resume``). Every run ends with a
+line saying its peak memory. Every process it starts gets the launcher's pid in
+``PRIME_RL_LAUNCHER_PID`` (``prime_rl.procmem.run_root``: the root of the run's tree).
+
 A process marked ``terminal`` (`prime-rl eval`'s eval process, whose output is the result)
 writes to the launcher's stdout and stderr instead of a log file.
+
+A process with a ``tmp_dir_env`` (every vLLM server: ``TMPDIR``, where vLLM binds its ZeroMQ
+IPC sockets and writes its init file, and leaves them, even on a clean exit) gets a private directory of its
+own in that variable, made when it starts and removed once it stopped, so a run leaves nothing
+in /tmp (``private_tmp_dir``).
 
 With tmux, the launcher opens a session with one pane per process that follows that
 process's log (libtmux); the processes themselves stay children of the launcher, so
@@ -31,6 +45,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -41,6 +56,8 @@ import psutil
 
 from prime_rl.heartbeat import Beat, heartbeat_path, read_heartbeats
 from prime_rl.keys import private_opener
+from prime_rl.launch.oom import OomKill, RunMemory
+from prime_rl.procmem import LAUNCHER_PID_ENV
 from prime_rl.rundir import log_path
 from prime_rl.observe.status import StatusOptions, StatusPrinter, record_event
 
@@ -48,6 +65,13 @@ if TYPE_CHECKING:
     from prime_rl.config import WatchdogConfig
 
 STOP_GRACE_S = 15.0
+OOM_EXIT_CODE = 137  # 128 + SIGKILL: what container runtimes report for an out-of-memory kill
+
+# A UNIX socket's path holds at most 107 bytes (sun_path's 108, less the closing NUL), and vLLM
+# names each IPC socket by a uuid4 in its directory (vllm.utils.network_utils.get_open_zmq_ipc_path):
+# a private directory must leave 37 bytes of room for "/<uuid4>".
+SOCKET_PATH_MAX = 107
+SOCKET_NAME_ROOM = 37
 
 
 @dataclass
@@ -64,6 +88,10 @@ class ProcessSpec:
     terminal: bool = False
     # The run does not depend on it (the dashboard): its exit is reported once, the run goes on.
     essential: bool = True
+    # An environment variable the launcher sets to a private directory (0700) of this process's
+    # own, made at its start and removed once it stopped (``private_tmp_dir``): for a vLLM
+    # server, TMPDIR, whose sockets and init files would otherwise pile up in /tmp.
+    tmp_dir_env: str | None = None
 
 
 class ProcessFailed(RuntimeError):
@@ -91,6 +119,26 @@ def die_with_parent() -> None:
         pass
 
 
+def private_tmp_dir(name: str) -> str:
+    """A fresh directory (mode 0700) for one process's temporary files, short enough for a
+    socket in it: under the temporary directory (TMPDIR, else /tmp: where vLLM's sockets went
+    before), or /tmp when TMPDIR's path is too long; never under the run directory, whose path
+    may be too long for a socket."""
+    for base in (tempfile.gettempdir(), "/tmp"):
+        path = tempfile.mkdtemp(prefix=f"prime-rl-{name}-", dir=base)
+        if len(os.fsencode(path)) + SOCKET_NAME_ROOM <= SOCKET_PATH_MAX:
+            return path
+        os.rmdir(path)
+    raise OSError(f"{path}: too long for a UNIX socket in it ({SOCKET_PATH_MAX} bytes at most)")
+
+
+def remove_tmp_dir(name: str, path: str) -> None:
+    """Remove a process's private directory once it stopped; a failure is one line, never an error."""
+    shutil.rmtree(path, ignore_errors=True)
+    if os.path.lexists(path):
+        print(f"[prime-rl] warning: could not remove {name}'s temporary directory {path}", file=sys.stderr, flush=True)
+
+
 def tail(path: Path, lines: int = 20) -> str:
     try:
         with open(path, errors="replace") as f:
@@ -107,6 +155,15 @@ class Stalled(RuntimeError):
         super().__init__(f"no process made progress for {idle_s:.0f} s (watchdog.timeout_s = {timeout_s:g})")
 
 
+class OutOfMemory(RuntimeError):
+    """The kernel's out-of-memory killer took one of the run's processes; the message is the
+    one line that says which, and what held the memory (``prime_rl.launch.oom``)."""
+
+    def __init__(self, kill: OomKill, line: str, log: Path | None):
+        self.kill, self.log = kill, log  # log: the victim's own, when it is a launched process
+        super().__init__(line)
+
+
 class Launcher:
     def __init__(
         self, run_dir: Path, specs: list[ProcessSpec], poll_s: float = 0.5, watchdog: WatchdogConfig | None = None
@@ -120,12 +177,15 @@ class Launcher:
         self.started_unix = time.time()
         self.reported_unix: float | None = None
         self.printer: StatusPrinter | None = None  # a headless run's periodic status (prime_rl.observe.status)
+        self.memory: RunMemory | None = None  # the census and the OOM check, from start() on
+        self.tmp_dirs: dict[str, str] = {}  # each started process's private directory (tmp_dir_env)
 
     def start(self) -> None:
         self.started_unix = time.time()
         for spec in self.specs:  # a previous run's heartbeat would speak for this one
             with contextlib.suppress(OSError):
                 heartbeat_path(self.run_dir, spec.name).unlink(missing_ok=True)
+        self.memory = RunMemory(self.run_dir, self.started_unix)  # before any process: its kills are the run's
         for spec in self.specs:
             if spec.terminal:
                 self.procs[spec.name] = self._popen(spec, stdout=None, stderr=None)  # inherit ours
@@ -135,14 +195,16 @@ class Launcher:
             with open(log, "ab", opener=private_opener) as out:  # an error line may quote a config's secret
                 self.procs[spec.name] = self._popen(spec, stdout=out, stderr=subprocess.STDOUT)
 
-    @staticmethod
-    def _popen(spec: ProcessSpec, stdout, stderr) -> subprocess.Popen:
+    def _popen(self, spec: ProcessSpec, stdout, stderr) -> subprocess.Popen:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", LAUNCHER_PID_ENV: str(os.getpid()), **spec.env}
+        if spec.tmp_dir_env is not None:  # made here, not in the spec: a dry run makes none
+            env[spec.tmp_dir_env] = self.tmp_dirs[spec.name] = private_tmp_dir(spec.name)
         return subprocess.Popen(
             spec.argv,
             stdin=subprocess.DEVNULL,
             stdout=stdout,
             stderr=stderr,
-            env={**os.environ, "PYTHONUNBUFFERED": "1", **spec.env},
+            env=env,
             start_new_session=True,
             preexec_fn=die_with_parent,
         )
@@ -152,6 +214,7 @@ class Launcher:
         required = {s.name for s in self.specs if s.required}
         reported: set[str] = set()
         while True:
+            self.check_memory()
             for spec in self.specs:
                 code = self.procs[spec.name].poll()
                 if code is None:
@@ -163,6 +226,8 @@ class Launcher:
                               "the run goes on without it", file=sys.stderr, flush=True)
                     continue
                 if code != 0 or not spec.required:
+                    if code == -signal.SIGKILL:  # the OOM killer's signal: raises OutOfMemory when it was
+                        self.check_memory({spec.name: self.procs[spec.name].pid})
                     raise ProcessFailed(spec.name, code, None if spec.terminal else log_path(self.run_dir, spec.name))
             # A node that only serves (a SLURM inference node) runs until it is stopped.
             if required and all(self.procs[name].poll() == 0 for name in required):
@@ -172,6 +237,36 @@ class Launcher:
             if self.printer is not None:
                 self.printer.poll()
             time.sleep(self.poll_s)
+
+    def check_memory(self, sigkilled: dict[str, int] | None = None) -> None:
+        """One OOM check (and a census when one is due); raise OutOfMemory when the kernel's
+        OOM killer took a process of the run. ``sigkilled``: launched processes that just
+        exited by SIGKILL. A check that fails turns the census off, in one line: the run goes on."""
+        if self.memory is None:
+            return
+        launched = {name: proc.pid for name, proc in self.procs.items()}
+        try:
+            kill = self.memory.check(launched, time.time(), sigkilled)
+        except Exception as e:  # noqa: BLE001 - monitoring never stops a run
+            self.memory = None
+            print(f"[prime-rl] the memory census failed ({type(e).__name__}: {e}); the run goes on without it",
+                  file=sys.stderr, flush=True)
+            return
+        if kill is None:
+            return
+        spec = next((s for s in self.specs if launched.get(s.name) == kill.pid), None)
+        log = log_path(self.run_dir, spec.name) if spec is not None and not spec.terminal else None
+        raise OutOfMemory(kill, self.memory.report(kill), log)
+
+    def peak_fields(self) -> dict:
+        """``peak_memory_gb`` for the launcher's ending events, when the census measured one."""
+        peak = self.memory.peak_gb() if self.memory is not None else None
+        return {"peak_memory_gb": peak} if peak is not None else {}
+
+    def print_peak(self) -> None:
+        line = self.memory.peak_line() if self.memory is not None else None
+        if line is not None:
+            print(f"[prime-rl] {line}", flush=True)
 
     def watch(self) -> None:
         """One watchdog check: print the report when one is due, raise Stalled at the timeout."""
@@ -207,6 +302,13 @@ class Launcher:
                 proc.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 pass
+        # Only now that nothing of theirs runs: a live vLLM binds new sockets there (a handshake).
+        for name, path in self.tmp_dirs.items():
+            remove_tmp_dir(name, path)
+        self.tmp_dirs.clear()
+        if self.memory is not None:
+            with contextlib.suppress(OSError):
+                self.memory.close()
 
 
 def _signal_group(pgid: int, sig: int) -> None:
@@ -254,10 +356,11 @@ def status(beat: Beat | None, finished: bool, serving: bool, now: float) -> str:
         return "finished"
     if beat is None:
         return "serving (no heartbeat)" if serving else "no heartbeat"
+    detail = f"; {beat.detail}" if beat.detail else ""  # what is in flight (the orchestrator's episodes)
     if beat.waiting_for is not None:
         since = time.strftime("%H:%M:%S", time.localtime(beat.waiting_since))
-        return f"waiting for {beat.waiting_for} since {since} ({now - beat.waiting_since:.0f} s)"
-    return f'last progress "{beat.progress}" {now - beat.progress_unix:.0f} s ago'
+        return f"waiting for {beat.waiting_for} since {since} ({now - beat.waiting_since:.0f} s){detail}"
+    return f'last progress "{beat.progress}" {now - beat.progress_unix:.0f} s ago{detail}'
 
 
 # --------------------------------------------------------------------------- tmux
@@ -387,8 +490,10 @@ def run(
     follow: tuple[str, ...] = (), watchdog: WatchdogConfig | None = None, status: StatusOptions | None = None,
 ) -> int:
     """Run the processes to completion; returns the launcher's exit code: 0, 130 after Ctrl-C,
-    else 1, or the failed process's own exit code when it is ``exit_code_from`` (`prime-rl
-    eval` passes on its eval process's 2 = config error, 1 = runtime failure). ``follow``
+    137 when the kernel's out-of-memory killer took one of the run's processes (128 + SIGKILL,
+    what container runtimes report for an OOM kill, so a job script can requeue the run with
+    `--resume`), else 1, or the failed process's own exit code when it is ``exit_code_from``
+    (`prime-rl eval` passes on its eval process's 2 = config error, 1 = runtime failure). ``follow``
     names more logs for tmux panes: ones a process's own children write (environment workers,
     `RUN/logs/env-<name>.log`). ``watchdog``: report and stop a run whose processes all stall.
     ``status`` (an RL run): a `status` pane in tmux, or headless the status every N steps, and
@@ -417,27 +522,36 @@ def run(
         launcher.start()
         event("started")
         launcher.wait()
-        event("finished")
+        event("finished", **launcher.peak_fields())
         if launcher.printer is not None:
             launcher.printer.print()
         print("[prime-rl] run finished", flush=True)
         return 0
+    except OutOfMemory as e:
+        event("out_of_memory", victim=e.kill.role, pid=e.kill.pid, evidence=e.kill.how, reason=str(e),
+              **launcher.peak_fields())
+        print(f"[prime-rl] {e}", file=sys.stderr, flush=True)
+        if e.log is not None:
+            print(f"[prime-rl] last lines of {e.log}:\n{tail(e.log)}", file=sys.stderr, flush=True)
+        return OOM_EXIT_CODE
     except ProcessFailed as e:
-        event("failed", failed=e.name, reason=describe_exit(e.code))
+        event("failed", failed=e.name, reason=describe_exit(e.code), **launcher.peak_fields())
         print(f"[prime-rl] {e.name} failed: it {describe_exit(e.code)}; stopping the other processes", file=sys.stderr, flush=True)
         if e.log is not None:  # a terminal process's last lines are already on screen
             print(f"[prime-rl] last lines of {e.log}:\n{tail(e.log)}", file=sys.stderr, flush=True)
         return e.code if e.name == exit_code_from and e.code > 0 else 1
     except Stalled as e:
-        event("stalled", reason=str(e))
+        event("stalled", reason=str(e), **launcher.peak_fields())
         print(f"[prime-rl] watchdog: {e}; stopping all processes", file=sys.stderr, flush=True)
         return 1
     except KeyboardInterrupt:
-        event("interrupted")
+        event("interrupted", **launcher.peak_fields())
         print("[prime-rl] interrupted; stopping all processes", file=sys.stderr, flush=True)
         return 130
     finally:
-        launcher.stop()
+        launcher.stop()  # first: nothing of the run may outlive a failure below
+        with contextlib.suppress(Exception):  # monitoring never fails a run
+            launcher.print_peak()
         if view is not None:
             view.close()
         signal.signal(signal.SIGTERM, previous)

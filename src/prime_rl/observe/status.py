@@ -104,7 +104,7 @@ def one_line(error: BaseException) -> str:
 
 
 def record_event(run_dir: Path, event: str, started_unix: float, **fields) -> None:
-    """One launcher row (`started`, `finished`, `failed`, `stalled`, `interrupted`); never
+    """One launcher row (`started`, `finished`, `failed`, `stalled`, `interrupted`, `out_of_memory`); never
     raises: the run's outcome does not depend on it."""
     now = time.time()
     row = {"process": "launcher", "event": event, "time": round(now - started_unix, 3), "wall": round(now, 3), **fields}
@@ -190,7 +190,7 @@ def launcher_events(rows: list[dict], status: Status) -> None:
         if row.get("event") == "failed":
             failed, reason = (v if isinstance(v, str) else None for v in (row.get("failed"), row.get("reason")))
             status.failed.append(f"{failed or '?'}: {reason or 'failed'}")
-        if row.get("event") in ("finished", "failed", "stalled", "interrupted"):
+        if row.get("event") in ("finished", "failed", "stalled", "interrupted", "out_of_memory"):
             status.ended = row["event"]
 
 
