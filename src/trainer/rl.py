@@ -35,7 +35,7 @@ from trainer.model import (
 )
 from trainer.optim import build_optimizer, clip_and_step
 from trainer.traces import sample_traces, write_traces
-from trainer.weights import save_weights
+from trainer.weights import prune_weights, save_weights
 
 CONSOLE_KEYS = (
     "loss/policy", "loss/reverse_kl", "loss/mismatch_kl", "loss/masked_frac", "optim/grad_norm",
@@ -100,8 +100,7 @@ def train(cfg: TrainerConfig) -> None:
             #    written here, after step - 1's metrics row, so a crash can never leave a checkpoint
             #    whose previous step has no row (a resume drops the rows from its step on)
             if step > start and checkpoint_due(step, cfg.ckpt.interval, cfg.max_steps):
-                with heartbeat.waiting(f"writing checkpoint step {step}"):
-                    save_checkpoint(model, optimizer, scheduler, cfg.output_dir, step, cfg.ckpt.keep_last)
+                checkpoint(model, optimizer, scheduler, cfg, step, world, heartbeat)
             t_ckpt = time.perf_counter()
             # 1. rollouts for this step (sampled by policy versions in [step - async_level, step])
             with heartbeat.waiting(f"batch of step {step} from {receiver.address}"):
@@ -134,14 +133,23 @@ def train(cfg: TrainerConfig) -> None:
             heartbeat.progress(f"trained step {step}")
         # the checkpoint after the last step, once its row is written
         if start < cfg.max_steps and checkpoint_due(cfg.max_steps, cfg.ckpt.interval, cfg.max_steps):
-            with heartbeat.waiting(f"writing checkpoint step {cfg.max_steps}"):
-                save_checkpoint(model, optimizer, scheduler, cfg.output_dir, cfg.max_steps, cfg.ckpt.keep_last)
+            checkpoint(model, optimizer, scheduler, cfg, cfg.max_steps, world, heartbeat)
         if world.is_main:
             log(f"done: {cfg.max_steps} steps, weights in {cfg.output_dir / 'weights'}")
     finally:
         receiver.close()
         metrics.close()
         teardown_world(world)
+
+
+def checkpoint(model: nn.Module, optimizer, scheduler, cfg: TrainerConfig, step: int, world: World, heartbeat: Heartbeat) -> None:
+    """Write ``checkpoints/step_{step}`` (every rank), pruning old ones, then the weights only a
+    pruned checkpoint kept: after the last step no weights save comes to prune them (a 1,000-step
+    run ended with `weights/step_960` beside checkpoints 980 and 1000)."""
+    with heartbeat.waiting(f"writing checkpoint step {step}"):
+        save_checkpoint(model, optimizer, scheduler, cfg.output_dir, step, cfg.ckpt.keep_last)
+    if world.is_main:
+        prune_weights(cfg.output_dir, cfg.weights.keep_last)
 
 
 def publish_weights(model: nn.Module, cfg: TrainerConfig, version: int, world: World) -> int:

@@ -139,6 +139,12 @@ def save_weights(
     parent = weights_dir(run_dir)
     write_folder = write_adapter_folder if lora else write_hf_folder
     final = write_step_dir(parent, step, "weights", lambda tmp: write_folder(model, state, tmp, source_model_dir))
-    # A resumed run starts inference on the weights of its checkpoint's step: keep those.
-    prune_step_dirs(parent, keep_last, protect=set(complete_steps(checkpoints_dir(run_dir))))
+    prune_weights(run_dir, keep_last)
     return final
+
+
+def prune_weights(run_dir: Path, keep_last: int) -> None:
+    """Keep the newest ``keep_last`` `weights/step_N` and those of every complete checkpoint (a
+    resumed run starts inference on its checkpoint's weights), delete the rest. Due after every
+    save of either: a checkpoint's pruning frees the weights only it kept (rank 0 only)."""
+    prune_step_dirs(weights_dir(run_dir), keep_last, protect=set(complete_steps(checkpoints_dir(run_dir))))
