@@ -54,10 +54,11 @@ class Sampler:
     run_dir: Path
     samples: list[tuple[float, int | None, dict[str, tuple[float, int, int]]]] = field(default_factory=list)
     stop: threading.Event = field(default_factory=threading.Event)
+    interval_s: float = INTERVAL_S
 
     def run(self) -> None:
         root, t0 = psutil.Process(self.pid), time.time()
-        while not self.stop.wait(INTERVAL_S):
+        while not self.stop.wait(self.interval_s):
             by_role: dict[str, list[float]] = {}
             try:
                 procs = root.children(recursive=True)
@@ -142,23 +143,21 @@ def markdown(result: dict) -> list[str]:
     return lines
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=1000)
-    parser.add_argument("--write", action="store_true", help="store results/soak.json and regenerate RESULTS.md")
-    args = parser.parse_args(argv)
-    model, out = prepare_model(QUICKSTART.full.recipe), WORK / "soak"
-    with open(REPO / QUICKSTART.config, "rb") as f:
+def soak(config: str | Path, model: Path, out: Path, steps: int, flags: tuple[str, ...] = (),
+         interval_s: float = INTERVAL_S) -> dict:
+    """Run ``config`` on ``model`` for ``steps`` steps headless in ``out``, sampling its
+    processes every ``interval_s``; the figures, what was left behind and the samples."""
+    with open(REPO / config, "rb") as f:
         shipped = tomllib.load(f)
     keep = {"checkpoints": shipped.get("ckpt", {}).get("keep_last", CheckpointConfig().keep_last),
             "weights": shipped.get("trainer", {}).get("weights", {}).get("keep_last", TrainerConfig().weights.keep_last)}
     tmp_before = {p.name for p in Path(tempfile.gettempdir()).iterdir()}
-    cmd = [sys.executable, "-m", "prime_rl.cli", QUICKSTART.config, "--model", str(model), "--output-dir", str(out),
-           "--max-steps", str(args.steps), "--clean", "--no-tmux", "--quiet", "--inference.port", str(free_port()),
-           "--transport.port", str(free_port())]
+    cmd = [sys.executable, "-m", "prime_rl.cli", str(config), "--model", str(model), "--output-dir", str(out),
+           "--max-steps", str(steps), "--clean", "--no-tmux", "--quiet", "--inference.port", str(free_port()),
+           "--transport.port", str(free_port()), *flags]
     started = time.time()
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, preexec_fn=die_with_parent)
-    sampler = Sampler(proc.pid, out)
+    sampler = Sampler(proc.pid, out, interval_s=interval_s)
     thread = threading.Thread(target=sampler.run, daemon=True)
     thread.start()
     try:
@@ -168,9 +167,17 @@ def main(argv: list[str] | None = None) -> int:
         sampler.stop.set()
         thread.join()
     time.sleep(2)  # the launcher has stopped its children; give the OS a moment to reap them
-    result = {"steps": args.steps, "wall_s": time.time() - started, "processes": figures(sampler.samples, args.steps),
-              "left_behind": left_behind(out, tmp_before, keep),
-              "samples": [[round(t, 1), s, {k: [round(v[0], 1), v[1], v[2]] for k, v in r.items()}] for t, s, r in sampler.samples]}
+    return {"steps": steps, "wall_s": time.time() - started, "processes": figures(sampler.samples, steps),
+            "left_behind": left_behind(out, tmp_before, keep),
+            "samples": [[round(t, 1), s, {k: [round(v[0], 1), v[1], v[2]] for k, v in r.items()}] for t, s, r in sampler.samples]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--write", action="store_true", help="store results/soak.json and regenerate RESULTS.md")
+    args = parser.parse_args(argv)
+    result = soak(QUICKSTART.config, prepare_model(QUICKSTART.full.recipe), WORK / "soak", args.steps)
     lines = markdown(result)
     if args.write:
         write_part(RESULTS, "soak", f"{args.steps} steps, one run", lines, result)
