@@ -108,7 +108,8 @@ def figures(samples, steps: int) -> dict[str, dict[str, float]]:
             row.update({f"rss_mb@{label}": rss, f"fds@{label}": fds, f"threads@{label}": threads})
         late = [(s, v[0]) for s, v in mine if s >= steps // 2]
         row["rss_slope_mb_per_100_steps"] = slope_per_100([s for s, _ in late], [v for _, v in late])
-        row["rss_slope_share"] = row["rss_slope_mb_per_100_steps"] / max(row["rss_mb@end"], 1e-9)
+        # against the role's largest RSS: a process exiting with the run reads 0 at the end
+        row["rss_slope_share"] = row["rss_slope_mb_per_100_steps"] / max(max(v[0] for _, v in mine), 1e-9)
         out[name] = row
     return out
 
