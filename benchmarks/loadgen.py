@@ -107,13 +107,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from prime_rl.config import InferenceConfig
-    from prime_rl.launch.launcher import die_with_parent
-    from prime_rl.vllm_command import vllm_command, vllm_env
+    from prime_rl.launch.launcher import die_with_parent, private_tmp_dir, remove_tmp_dir
+    from prime_rl.vllm_command import TMP_DIR_ENV, server_env, vllm_command, vllm_env
 
     port = free_port()
     sizes = {} if args.max_num_seqs is None else {"max_num_seqs": args.max_num_seqs}
     cfg = InferenceConfig(model=str(args.model), port=port, seq_len=args.seq_len, extra_args=args.vllm_arg, **sizes)
-    env = vllm_env(cfg, cpu=True, inherited=os.environ) | dict(kv.split("=", 1) for kv in args.env)
+    # as the launcher starts it: its IPC sockets in a directory of its own, removed afterwards
+    tmp_dir = private_tmp_dir("loadgen-inference")
+    env = (vllm_env(cfg, cpu=True, inherited=os.environ) | server_env() | {TMP_DIR_ENV: tmp_dir}
+           | dict(kv.split("=", 1) for kv in args.env))
     batch = prompts(args.model, args.groups)
     t0 = time.time()
     log = args.log.open("w")
@@ -136,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
 
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=30)
+        remove_tmp_dir("loadgen-inference", tmp_dir)
     print(json.dumps({"startup_s": round(startup, 2), **result, "max_num_seqs": cfg.max_num_seqs,
                       "vllm_args": args.vllm_arg, "env": args.env}))
     return 0

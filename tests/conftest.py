@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from prime_rl import procmem
 
-from helpers import REPO, build_tiny, remove_cgroup
+from helpers import REPO, build_tiny, remove_cgroup, server_tmp_env
 
 # vLLM renames its engine and worker processes (setproctitle), which by default writes the
 # title over the area /proc/PID/environ shows: the test tag helpers.tagged_processes looks
@@ -117,3 +117,10 @@ def small_memory_cgroup():
         pytest.skip(f"no writable memory cgroup: cannot make one under {own} ({e})")
     yield version, cgroup
     remove_cgroup(cgroup)
+
+
+@pytest.fixture
+def vllm_env():
+    """The environment for a vLLM server a test starts itself (``helpers.server_tmp_env``)."""
+    with server_tmp_env() as env:
+        yield env

@@ -271,6 +271,21 @@ def watched_sockets(pid: int, poll_s: float = 1.0):
         thread.join(timeout=30)
 
 
+@contextmanager
+def server_tmp_env(**extra: str):
+    """The environment of a vLLM server a test starts itself, outside the launcher, as the
+    launcher gives it (``ProcessSpec.tmp_dir_env``): its temporary files (IPC sockets, init
+    file) in a private directory removed afterwards, torch's compile cache where it was."""
+    from prime_rl.launch.launcher import private_tmp_dir, remove_tmp_dir
+    from prime_rl.vllm_command import TMP_DIR_ENV, server_env
+
+    path = private_tmp_dir("test-inference")
+    try:
+        yield {**os.environ, **server_env(), TMP_DIR_ENV: path, **extra}
+    finally:
+        remove_tmp_dir("test-inference", path)
+
+
 def assert_no_ipc_socket_left(seen: dict[Path, int], before: set[str]) -> None:
     """vLLM's IPC sockets that a run's processes bound (``seen``, ``bound_sockets``) each lay in
     a private directory (0700) the launcher made for their server directly under the temporary

@@ -40,7 +40,8 @@ def test_eight_gpus_split_four_and_four(tmp_path):
     assert specs["trainer"].argv[1:5] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4"]
     assert "CUDA_VISIBLE_DEVICES" not in specs["orchestrator"].env
     # each vLLM server's IPC sockets in a directory of its own the launcher removes after it
-    assert {n for n, s in specs.items() if s.tmp_dir_env == "TMPDIR"} == {f"inference-{i}" for i in range(4)}
+    # (and torchrun's log folder, which it leaves in TMPDIR)
+    assert {n for n, s in specs.items() if s.tmp_dir_env == "TMPDIR"} == {*(f"inference-{i}" for i in range(4)), "trainer"}
     assert cfg.orchestrator.num_trainer_ranks == 4
     assert cfg.orchestrator.client.base_url == [f"http://127.0.0.1:{9000 + i}" for i in range(4)]
 

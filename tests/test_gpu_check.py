@@ -41,7 +41,7 @@ def test_the_check_runs_the_trainers_path_and_reports_it(tmp_path):
     # the same global batch split over the ranks: the first loss equals the one-process one
     sharded = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                               str(SCRIPT), *flags[:-4], "--fsdp-of", str(out), "--out", str(tmp_path / "sharded.json")],
-                             capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                             capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path)})  # torchrun leaves its log folder there
     print(sharded.stdout[-2000:], sharded.stderr[-2000:])
     assert sharded.returncode == 0
     fsdp = json.loads(out.read_text())["checks"]["fsdp"]

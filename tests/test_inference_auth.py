@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import json
 import math
-import os
 import subprocess
 import sys
 import threading
@@ -192,7 +191,7 @@ def test_the_server_passes_the_key_in_its_environment_not_its_command(monkeypatc
 
 
 @pytest.mark.slow  # the default suite checks the same on the scale-out trio's replicas (test_scale_out)
-def test_real_vllm_refuses_admin_routes_without_the_key(tmp_path, tiny_model):
+def test_real_vllm_refuses_admin_routes_without_the_key(tmp_path, tiny_model, vllm_env):
     """vLLM's own --api-key leaves /collective_rpc and /pause open; with `api_key` set they
     answer 401 without it, and the client (key on every request) finds the server healthy
     and probes it: the same weights score the same, call after call."""
@@ -201,7 +200,7 @@ def test_real_vllm_refuses_admin_routes_without_the_key(tmp_path, tiny_model):
     config.write_text(json.dumps({"model": str(tiny_model), "port": port, "api_key": KEY, "seq_len": 128, "max_num_seqs": 4}))
     log = (tmp_path / "inference.log").open("w")
     server = subprocess.Popen([sys.executable, "-m", "inference.server", "--config", str(config)], stdout=log,
-                              stderr=subprocess.STDOUT, env={**os.environ, "PRIME_RL_TEST_TAG": tag}, start_new_session=True)
+                              stderr=subprocess.STDOUT, env={**vllm_env, "PRIME_RL_TEST_TAG": tag}, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
 
     async def healthy_then_probe_twice():

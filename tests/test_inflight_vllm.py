@@ -4,8 +4,8 @@ vLLM's module started as it is (`inference.cpu_fork = false`, its engine process
 the one real server of the suite that keeps the way out of the fork every other one takes."""
 
 import asyncio
+import contextlib
 import json
-import os
 import subprocess
 import sys
 
@@ -21,7 +21,7 @@ from orchestrator.batch import ScoredRollout, pack_batches
 from orchestrator.client import FULL_DISTRIBUTION, InferenceClient, cache_salt
 from trainer.loss import policy_loss
 
-from helpers import free_port, new_tag, stop_process_group, tagged_processes
+from helpers import free_port, new_tag, server_tmp_env, stop_process_group, tagged_processes
 
 PROMPT = [257, *b"user\nsay something long", 258, 257, *b"assistant\n"]
 # Tokens of the completion a reload interrupts: long enough that the engine is still in it
@@ -39,14 +39,15 @@ def other_weights(other_tiny_model):
 
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory):
-    root = tmp_path_factory.mktemp("vllm")
+    root, stack = tmp_path_factory.mktemp("vllm"), contextlib.ExitStack()
     port, tag = free_port(), new_tag()
     config = root / "inference.json"
     config.write_text(json.dumps({"model": str(tiny_model), "port": port, "seq_len": SEQ_LEN, "max_num_seqs": 8,
                                   "cpu_fork": False}))
     log = (root / "inference.log").open("w")
+    env = stack.enter_context(server_tmp_env(PRIME_RL_TEST_TAG=tag))
     proc = subprocess.Popen([sys.executable, "-m", "inference.server", "--config", str(config)], stdout=log,
-                            stderr=subprocess.STDOUT, env={**os.environ, "PRIME_RL_TEST_TAG": tag}, start_new_session=True)
+                            stderr=subprocess.STDOUT, env=env, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
 
     async def healthy():
@@ -62,6 +63,7 @@ def server(tiny_model, tmp_path_factory):
     finally:
         stop_process_group(proc)
         log.close()
+        stack.close()
         assert tagged_processes(tag) == [], "vLLM's engine process must stop with the server"
 
 

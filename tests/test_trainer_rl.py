@@ -201,7 +201,7 @@ def run_trainer(model_dir: Path, run: Path, world: int, splits: list, samples: l
         sock.setsockopt(zmq.LINGER, 0)
         sock.bind(f"tcp://127.0.0.1:{port + r}")
     proc = subprocess.Popen([sys.executable, *launcher, "-m", "trainer.rl", "--config", str(run / "trainer.json")],
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(run)})  # torchrun's log folder
     try:
         for step in (0, 1):  # steps count from 0; weights/step_2 = after two steps
             for r, sock in enumerate(socks):

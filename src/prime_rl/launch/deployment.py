@@ -355,7 +355,9 @@ def trainer_spec(config: RLConfig, run_dir: Path, placement: Placement, plan: No
     elif t.nproc_per_node > 1:
         cmd = [python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={t.nproc_per_node}", *cmd[1:]]
     env = {**QUIET, "OMP_NUM_THREADS": str(config.trainer.num_threads), **visible(t.gpus)}
-    return ProcessSpec(name, cmd, env=env)
+    # torchrun makes a `torchelastic_*` log folder in TMPDIR and leaves it: a private one the launcher removes
+    torchrun = t.nnodes > 1 or t.nproc_per_node > 1
+    return ProcessSpec(name, cmd, env=env, tmp_dir_env=TMP_DIR_ENV if torchrun else None)
 
 
 def visible(gpus: tuple[int, ...]) -> dict[str, str]:
