@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from prime_rl import procmem
 
-from helpers import REPO, build_tiny, remove_cgroup, server_tmp_env
+from helpers import REPO, build_tiny, remove_cgroup, server_tmp_env, stop_launchers
 
 # vLLM renames its engine and worker processes (setproctitle), which by default writes the
 # title over the area /proc/PID/environ shows: the test tag helpers.tagged_processes looks
@@ -124,3 +124,10 @@ def vllm_env():
     """The environment for a vLLM server a test starts itself (``helpers.server_tmp_env``)."""
     with server_tmp_env() as env:
         yield env
+
+
+@pytest.fixture(autouse=True)
+def stop_leftover_launchers():
+    """A test that ends before its launcher did (an assertion, pytest-timeout) leaves no run behind."""
+    yield
+    stop_launchers()

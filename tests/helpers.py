@@ -315,13 +315,34 @@ def finish(proc, run_dir, timeout=900) -> str:
     return out
 
 
+LAUNCHED: list[subprocess.Popen] = []
+"""Every launcher a test started (``start_launcher``); conftest's `stop_leftover_launchers`
+stops those still running when the test ends, however it ended (pytest-timeout included)."""
+
+
 def start_launcher(config, *flags):
     tag = new_tag()
     proc = subprocess.Popen(
         [sys.executable, "-m", "prime_rl.cli", str(config), "--no-tmux", *flags],
         env={**os.environ, "PRIME_RL_TEST_TAG": tag}, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
+    LAUNCHED.append(proc)
     return proc, tag
+
+
+def stop_launchers() -> None:
+    """SIGTERM each launcher still running (it stops its processes and removes its private
+    temporary folders), SIGKILL one that has not stopped a minute later."""
+    running = [p for p in LAUNCHED if p.poll() is None]
+    LAUNCHED.clear()
+    for proc in running:
+        proc.terminate()
+    for proc in running:
+        try:
+            proc.communicate(timeout=60)  # reading its output: a full pipe would block it
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
 
 
 def kill_mid_run(run_dir, config, marker, after_checkpoint: int) -> tuple[str, int, float]:

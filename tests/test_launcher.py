@@ -102,6 +102,28 @@ def test_ctrl_c_stops_everything(tmp_path):
     assert wait_until(lambda: tagged_processes(tag) == [], timeout=10), tagged_processes(tag)
 
 
+# A parent that starts a program in a session of its own and exits, as an environment worker
+# killed mid-episode leaves a v1 harness program (SubprocessRuntime: start_new_session=True).
+ORPHAN_A_SESSION = ("import subprocess, sys; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'], "
+                    "start_new_session=True); print('started', flush=True)")
+
+
+def test_a_program_in_a_session_of_its_own_is_stopped_with_the_run_even_once_orphaned(tmp_path):
+    """Neither the process groups nor PR_SET_PDEATHSIG reach it: the launcher, the run's child
+    subreaper, gets it when its parent exits and stops it at the end, saying so in one line."""
+    tag = new_tag()
+    specs = f"""[
+        ProcessSpec("inference", [sys.executable, "-c", {SERVE_FOREVER!r}], required=False),
+        ProcessSpec("orchestrator", [sys.executable, "-c", {ORPHAN_A_SESSION!r}]),
+        ProcessSpec("trainer", [sys.executable, "-c", "import time; time.sleep(2)"]),
+    ]"""
+    env = {**os.environ, "PRIME_RL_TEST_TAG": tag}
+    proc = subprocess.run([sys.executable, "-c", driver(tmp_path, specs)], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "stopped 1 process(es) of the run outside its process groups (e.g. " in proc.stderr, proc.stderr
+    assert tagged_processes(tag) == []
+
+
 def test_children_die_with_a_killed_launcher(tmp_path):
     tag = new_tag()
     specs = """[

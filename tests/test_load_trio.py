@@ -8,6 +8,11 @@
 - A budget low enough to force throttling: an environment whose episodes each start a
   program holding 60 MB; the run completes with fewer episodes in flight than the pool
   allows, its footprint measured, and the time groups waited in `load/throttled_s`.
+- Out of memory: a worker's real v1 harness program exceeds a small memory cgroup the test
+  sets; the launcher's one line names it, exit 137, `--resume` trains the rest, and nothing of
+  the run is left (the harness programs run in sessions of their own: the launcher, the run's
+  child subreaper, stops them). The same with an environment played in the orchestrator is
+  slow-marked.
 """
 
 from __future__ import annotations
@@ -170,6 +175,7 @@ def load_environment(flag="", cgroup="", after="", **args):
 '''
 
 
+@pytest.mark.slow  # the default suite runs the same with a worker's harness program (below)
 def test_an_episode_killed_by_the_oom_killer_is_named_in_one_line_and_resume_continues(tmp_path, tiny_model,
                                                                                        small_memory_cgroup, monkeypatch):
     """An episode's program (a harness stand-in) exceeds memory in a cgroup the test sets: the
@@ -192,6 +198,70 @@ def test_an_episode_killed_by_the_oom_killer_is_named_in_one_line_and_resume_con
     assert proc.returncode == 137, out
     (line,) = [s for s in out.splitlines() if "out of memory" in s]
     assert line.startswith("[prime-rl] out of memory: the kernel's OOM killer killed an episode of 'bomb-env' (pid "), line
+    assert "the run's biggest memory users then: " in line and "inference " in line and "trainer " in line, line
+    assert "lower [orchestrator.load] memory_budget_gb or the batch, then continue with --resume" in line, line
+    assert tagged_processes(tag) == []
+    assert (tmp_path / "bomb.used").exists()
+
+    proc, tag = start_launcher(config, "--resume")
+    finish(proc, run_dir)
+    assert tagged_processes(tag) == []
+    steps = sorted({r["step"] for r in orchestrator_rows(run_dir) if "reward/mean" in r})
+    assert steps == [0, 1, 2, 3]
+    print(line)
+
+
+HARNESS_BOMB = '''
+"""sitecustomize: imported by every Python program started with this folder on PYTHONPATH,
+here a v1 `null` harness program (its `harness.env` puts it there). Once checkpoint 1
+exists and the flag file is there, the program joins the test's small memory cgroup and
+allocates past it (once)."""
+import os
+import time
+
+flag, after, cgroup = (os.environ.get(k, "") for k in ("BOMB_FLAG", "BOMB_AFTER", "BOMB_CGROUP"))
+if flag and os.path.isdir(after):
+    try:
+        os.rename(flag, flag + ".used")  # one bomb only
+    except OSError:
+        pass
+    else:
+        with open(os.path.join(cgroup, "cgroup.procs"), "w") as f:
+            f.write(str(os.getpid()))
+        with open("/proc/self/oom_score_adj", "w") as f:
+            f.write("1000")
+        time.sleep(5)  # the launcher's census (every 2 s) sees it first
+        chunks = [b"1" * (16 << 20) for _ in range(64)]  # 1 GiB, far past the cgroup's 64 MiB
+        time.sleep(60)
+'''
+
+
+def test_a_workers_harness_program_killed_by_the_oom_killer_is_named_and_resume_continues(tmp_path, tiny_model,
+                                                                                         small_memory_cgroup):
+    """A v1 taskset in its worker, on v1's `null` harness: one harness program (the real one,
+    its Python made to allocate by a `sitecustomize` on the `harness.env` PYTHONPATH) joins a
+    cgroup of 64 MiB the test sets and exceeds it; the kernel kills it, the launcher says so
+    in one line naming the environment's episodes, exits 137, and `--resume` trains the rest."""
+    _, cgroup = small_memory_cgroup
+    python = verifiers_venv("0.4.0", V1)
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(textwrap.dedent(HARNESS_BOMB))
+    flag = tmp_path / "bomb"
+    flag.touch()
+    run_dir = tmp_path / "run"
+    config = tmp_path / "rl.toml"
+    harness_env = {"PYTHONPATH": str(site), "BOMB_FLAG": str(flag), "BOMB_CGROUP": str(cgroup),
+                   "BOMB_AFTER": str(run_dir / "checkpoints" / "step_1")}
+    inline = ", ".join(f'{k} = "{v}"' for k, v in harness_env.items())
+    env = f'id = "v1-reverse"\npython = "{python}"\nargs = {{ harness = {{ id = "null", env = {{ {inline} }} }} }}'
+    config.write_text(trio_toml(tiny_model, run_dir, max_steps=4, env=env, batch_size=8,
+                                extra="\n[ckpt]\ninterval = 1\nkeep_last = 5\n"))
+    proc, tag = start_launcher(config)
+    out, _ = proc.communicate(timeout=900)
+    assert proc.returncode == 137, out
+    (line,) = [s for s in out.splitlines() if "out of memory" in s]
+    assert line.startswith("[prime-rl] out of memory: the kernel's OOM killer killed an episode of 'v1-reverse' (pid "), line
     assert "the run's biggest memory users then: " in line and "inference " in line and "trainer " in line, line
     assert "lower [orchestrator.load] memory_budget_gb or the batch, then continue with --resume" in line, line
     assert tagged_processes(tag) == []

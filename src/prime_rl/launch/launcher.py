@@ -24,7 +24,8 @@ A process marked ``terminal`` (`prime-rl eval`'s eval process, whose output is t
 writes to the launcher's stdout and stderr instead of a log file.
 
 A process with a ``tmp_dir_env`` (every vLLM server: ``TMPDIR``, where vLLM binds its ZeroMQ
-IPC sockets and writes its init file, and leaves them, even on a clean exit) gets a private directory of its
+IPC sockets and writes its init file, and leaves them, even on a clean exit; a trainer under
+torchrun, which leaves its `torchelastic_*` log folder there) gets a private directory of its
 own in that variable, made when it starts and removed once it stopped, so a run leaves nothing
 in /tmp (``private_tmp_dir``).
 
@@ -110,6 +111,46 @@ def describe_exit(code: int) -> str:
     return f"exited with code {code}"
 
 
+def become_subreaper() -> None:
+    """Take the run's orphans: a descendant whose parent exits (a v1 harness program, in a
+    session of its own, whose environment worker was killed) is reparented to the launcher,
+    not to init, so ``Launcher.stop`` still finds and stops it (PR_SET_CHILD_SUBREAPER)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(36, 1, 0, 0, 0)  # 36 = PR_SET_CHILD_SUBREAPER
+
+
+def strays(launched: set[int]) -> list[psutil.Process]:
+    """The run's processes still alive outside the launched ones: descendants of the launcher
+    (its orphans reparented to it included) that carry its pid in ``LAUNCHER_PID_ENV``, which
+    every process of the run inherits (a tmux server the launcher started does not)."""
+    mine = str(os.getpid())
+    found = []
+    with contextlib.suppress(psutil.Error):
+        for proc in psutil.Process().children(recursive=True):
+            if proc.pid in launched:
+                continue
+            with contextlib.suppress(psutil.Error):
+                if proc.environ().get(LAUNCHER_PID_ENV) == mine and proc.status() != psutil.STATUS_ZOMBIE:
+                    found.append(proc)
+    return found
+
+
+def stop_strays(launched: set[int], grace_s: float = 2.0) -> list[str]:
+    """SIGTERM the run's stray processes (``strays``), SIGKILL those left after ``grace_s``,
+    and reap them; their command lines, shortened, for one line of output."""
+    found, names = strays(launched), []
+    for proc in found:
+        with contextlib.suppress(psutil.Error):
+            names.append(shlex.join(proc.cmdline())[:80])
+            proc.terminate()
+    _, alive = psutil.wait_procs(found, timeout=grace_s)  # reaps those that are our children now
+    for proc in alive:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+    psutil.wait_procs(alive, timeout=5)
+    return names
+
+
 def die_with_parent() -> None:
     """Child-side: get SIGTERM if the launcher dies, so no process outlives it."""
     try:
@@ -186,6 +227,7 @@ class Launcher:
             with contextlib.suppress(OSError):
                 heartbeat_path(self.run_dir, spec.name).unlink(missing_ok=True)
         self.memory = RunMemory(self.run_dir, self.started_unix)  # before any process: its kills are the run's
+        become_subreaper()
         for spec in self.specs:
             if spec.terminal:
                 self.procs[spec.name] = self._popen(spec, stdout=None, stderr=None)  # inherit ours
@@ -302,6 +344,11 @@ class Launcher:
                 proc.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 pass
+        # What left the process groups behind: programs in sessions of their own (v1's harness programs)
+        stopped = stop_strays({proc.pid for proc in self.procs.values()})
+        if stopped:
+            print(f"[prime-rl] stopped {len(stopped)} process(es) of the run outside its process groups "
+                  f"(e.g. {stopped[0]})", file=sys.stderr, flush=True)
         # Only now that nothing of theirs runs: a live vLLM binds new sockets there (a handshake).
         for name, path in self.tmp_dirs.items():
             remove_tmp_dir(name, path)
