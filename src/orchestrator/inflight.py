@@ -327,7 +327,7 @@ class GroupPool:
             if isinstance(error, FATAL) or not isinstance(error, Exception):
                 self.fail(error)
             else:
-                self._group_failed(group, name, error)
+                self._group_failed(name, error)
             return
         self._failed_in_row = 0
         rollouts = task.result()
@@ -338,7 +338,7 @@ class GroupPool:
         self._done.append(group)
         self._changed.set()
 
-    def _group_failed(self, group: Group, name: str, error: Exception) -> None:
+    def _group_failed(self, name: str, error: Exception) -> None:
         """A group the environment could not play (its episodes raised, or ran past their
         timeout): dropped, counted, said once per kind, and the slot goes to another group.
         Groups failing one after another (more than a step's worth) are the environment's

@@ -548,12 +548,16 @@ class EpisodeLimiter:
             row["inference/requests_waiting"] = w.queue_max
         return row
 
+    def oldest(self, name: str) -> float | None:
+        """When ``name``'s oldest episode in flight started (unix time); None when none runs."""
+        return min(self.started[name].values(), default=None)
+
     def describe(self) -> str:
         """What is in flight and what waits, for the heartbeat (one line)."""
         parts = []
         for name in self.names:
             if self.in_flight[name]:
-                oldest = min(self.started[name].values(), default=None)
+                oldest = self.oldest(name)
                 since = f" (oldest since {time.strftime('%H:%M:%S', time.localtime(oldest))})" if oldest else ""
                 parts.append(f"{self.in_flight[name]} episodes in flight in environment {name!r}{since}")
         if self._waiters:
@@ -567,9 +571,8 @@ class EpisodeLimiter:
         m = self.last
         envs = {}
         for name in self.names:
-            oldest = min(self.started[name].values(), default=None)
             envs[name] = {"in_flight": self.in_flight[name], "waiting": sum(w.n for w in self._waiters if w.env == name),
-                          "oldest_unix": oldest, "episode_bytes": int(self.footprints.bytes.get(name, 0.0)),
+                          "oldest_unix": self.oldest(name), "episode_bytes": int(self.footprints.bytes.get(name, 0.0)),
                           "worker_pid": self.workers.get(name)}
         state = {"time_unix": time.time(), "budget_from": self.budget_from, "envs": envs,
                  "used_bytes": m.used if m else None,
