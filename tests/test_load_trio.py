@@ -140,6 +140,26 @@ def test_a_low_memory_budget_throttles_the_episodes_and_the_run_completes(tmp_pa
           f"throttled {[round(r['load/throttled_s'], 1) for r in rows]} s, memory {[round(r['load/memory_gb'], 2) for r in rows]} GB")
 
 
+def stops_out_of_memory_then_resumes(config, run_dir, env: str) -> None:
+    """The run (4 steps) stops with the launcher's one line naming an episode of ``env`` as
+    the OOM killer's victim, exit 137, nothing of it left; `--resume` trains the rest."""
+    proc, tag = start_launcher(config)
+    out, _ = proc.communicate(timeout=900)
+    assert proc.returncode == 137, out
+    (line,) = [s for s in out.splitlines() if "out of memory" in s]
+    assert line.startswith(f"[prime-rl] out of memory: the kernel's OOM killer killed an episode of {env!r} (pid "), line
+    assert "the run's biggest memory users then: " in line and "inference " in line and "trainer " in line, line
+    assert "lower [orchestrator.load] memory_budget_gb or the batch, then continue with --resume" in line, line
+    assert tagged_processes(tag) == []
+    print(line)
+
+    proc, tag = start_launcher(config, "--resume")
+    finish(proc, run_dir)
+    assert tagged_processes(tag) == []
+    steps = sorted({r["step"] for r in orchestrator_rows(run_dir) if "reward/mean" in r})
+    assert steps == [0, 1, 2, 3]
+
+
 BOMB_ENV = '''
 """reverse-text whose episode, once checkpoint 1 exists and the flag file is there, starts a
 program that joins the test's small memory cgroup and allocates past it (once)."""
@@ -193,22 +213,8 @@ def test_an_episode_killed_by_the_oom_killer_is_named_in_one_line_and_resume_con
     env = (f'id = "bomb-env"\nargs = {{ flag = "{flag}", cgroup = "{cgroup}", '
            f'after = "{run_dir / "checkpoints" / "step_1"}" }}')
     config.write_text(trio_toml(tiny_model, run_dir, max_steps=4, env=env, extra="\n[ckpt]\ninterval = 1\nkeep_last = 5\n"))
-    proc, tag = start_launcher(config)
-    out, _ = proc.communicate(timeout=900)
-    assert proc.returncode == 137, out
-    (line,) = [s for s in out.splitlines() if "out of memory" in s]
-    assert line.startswith("[prime-rl] out of memory: the kernel's OOM killer killed an episode of 'bomb-env' (pid "), line
-    assert "the run's biggest memory users then: " in line and "inference " in line and "trainer " in line, line
-    assert "lower [orchestrator.load] memory_budget_gb or the batch, then continue with --resume" in line, line
-    assert tagged_processes(tag) == []
+    stops_out_of_memory_then_resumes(config, run_dir, "bomb-env")
     assert (tmp_path / "bomb.used").exists()
-
-    proc, tag = start_launcher(config, "--resume")
-    finish(proc, run_dir)
-    assert tagged_processes(tag) == []
-    steps = sorted({r["step"] for r in orchestrator_rows(run_dir) if "reward/mean" in r})
-    assert steps == [0, 1, 2, 3]
-    print(line)
 
 
 HARNESS_BOMB = '''
@@ -257,19 +263,5 @@ def test_a_workers_harness_program_killed_by_the_oom_killer_is_named_and_resume_
     env = f'id = "v1-reverse"\npython = "{python}"\nargs = {{ harness = {{ id = "null", env = {{ {inline} }} }} }}'
     config.write_text(trio_toml(tiny_model, run_dir, max_steps=4, env=env, batch_size=8,
                                 extra="\n[ckpt]\ninterval = 1\nkeep_last = 5\n"))
-    proc, tag = start_launcher(config)
-    out, _ = proc.communicate(timeout=900)
-    assert proc.returncode == 137, out
-    (line,) = [s for s in out.splitlines() if "out of memory" in s]
-    assert line.startswith("[prime-rl] out of memory: the kernel's OOM killer killed an episode of 'v1-reverse' (pid "), line
-    assert "the run's biggest memory users then: " in line and "inference " in line and "trainer " in line, line
-    assert "lower [orchestrator.load] memory_budget_gb or the batch, then continue with --resume" in line, line
-    assert tagged_processes(tag) == []
+    stops_out_of_memory_then_resumes(config, run_dir, "v1-reverse")
     assert (tmp_path / "bomb.used").exists()
-
-    proc, tag = start_launcher(config, "--resume")
-    finish(proc, run_dir)
-    assert tagged_processes(tag) == []
-    steps = sorted({r["step"] for r in orchestrator_rows(run_dir) if "reward/mean" in r})
-    assert steps == [0, 1, 2, 3]
-    print(line)
