@@ -1,9 +1,13 @@
 """Long runs stay flat (issue 38): each process's memory, open files and threads over a long run.
 
-    uv run --group bench python -m benchmarks.soak [--steps 1000] [--write]
+    uv run --group bench python -m benchmarks.soak [--run quickstart|wiki-search] [--steps N] [--write]
+    uv run --group bench python -m benchmarks.soak [--run ...] --reanalyze   (the stored samples again)
 
-Runs the quickstart (`configs/reverse-text/rl.toml` on its model, headless, its own
-checkpoint and weight retention) for ``--steps`` steps and samples, every ``INTERVAL_S``
+Runs the quickstart (`configs/reverse-text/rl.toml` on its model, 1,000 steps), or the
+multi-turn tool environment wiki-search (`configs/wiki-search/rl.toml`, 300 steps at a batch
+of 16, on the tiny model after a 300-step tool-use warm-up: it opens with a `search_pages`
+call, so episodes run several turns of tool calls), headless, with the config's own
+checkpoint, weight and evaluation settings, for ``--steps`` steps and samples, every ``INTERVAL_S
 seconds, each process of the run's tree by role (``benchmarks.profile.role``: trainer,
 orchestrator, vLLM's API server, engine core and worker; others as `other`): resident memory
 (RSS), open file descriptors and threads, with the step the orchestrator last logged. Then,
@@ -16,7 +20,7 @@ per role:
   after the run, and the step folders of `rollouts/`, `weights/` and `checkpoints/` against
   their `keep_last`.
 
-``--write`` stores `benchmarks/results/soak.json` and regenerates RESULTS.md.
+``--write`` stores `benchmarks/results/soak.json` (`soak-wiki-search.json`) and regenerates RESULTS.md.
 """
 
 from __future__ import annotations
@@ -40,10 +44,31 @@ from prime_rl.launch.launcher import die_with_parent
 from prime_rl.rundir import checkpoints_dir, metrics_path, rollouts_dir, step_dirs, weights_dir
 
 from benchmarks.profile import role
-from benchmarks.run import QUICKSTART, REPO, RESULTS, WORK, free_port, prepare_model, write_part
+from benchmarks.run import QUICKSTART, REPO, RESULTS, WORK, Recipe, free_port, prepare_model, write_part, write_results_md
 
 INTERVAL_S = 5.0
 MILESTONES = (100, 500)
+
+
+@dataclass(frozen=True)
+class Soak:
+    config: str
+    recipe: Recipe
+    steps: int
+    flags: tuple[str, ...] = ()
+    """prime-rl flags over the config's."""
+
+
+WIKI_ARGS = '{"source": "generated", "max_turns": 6}'  # configs/wiki-search/rl.toml's [[env]] args
+SOAKS = {
+    "quickstart": Soak(QUICKSTART.config, QUICKSTART.full.recipe, 1000),
+    # the full warm-up (1,000 steps, ~19 min) answers well; 300 steps teach the tool calls, which is
+    # what a soak needs: multi-turn episodes with tools. A batch of 16 (two groups of 8) keeps
+    # 300 steps within ~30 min on two cores
+    "wiki-search": Soak("configs/wiki-search/rl.toml", Recipe(
+        data_args=("--env", "wiki-search", "--num-examples", "2000", "--args", WIKI_ARGS),
+        sft_config="configs/wiki-search/sft.toml", sft_flags=("--max-steps", "300")), 300, ("--batch-size", "16")),
+}
 
 
 @dataclass
@@ -87,11 +112,14 @@ def last_step(run_dir: Path) -> int | None:
     return max(steps, default=None)
 
 
-def slope_per_100(steps: list[int], values: list[float]) -> float:
-    """Least-squares slope of ``values`` against ``steps``, per 100 steps."""
-    if len(steps) < 2 or len(set(steps)) < 2:
-        return 0.0
-    return float(np.polyfit(np.asarray(steps, float), np.asarray(values, float), 1)[0] * 100)
+def slope_per_100(steps: list[int], values: list[float]) -> tuple[float, float]:
+    """Least-squares slope of ``values`` against ``steps``, per 100 steps, and the standard
+    deviation of the values about that line (the noise the slope is read against)."""
+    if len(steps) < 3 or len(set(steps)) < 2:
+        return 0.0, 0.0
+    x, y = np.asarray(steps, float), np.asarray(values, float)
+    slope, intercept = np.polyfit(x, y, 1)
+    return float(slope * 100), float(np.std(y - (slope * x + intercept)))
 
 
 def figures(samples, steps: int) -> dict[str, dict[str, float]]:
@@ -107,7 +135,7 @@ def figures(samples, steps: int) -> dict[str, dict[str, float]]:
             label = "end" if at == mine[-1][0] else str(at)
             row.update({f"rss_mb@{label}": rss, f"fds@{label}": fds, f"threads@{label}": threads})
         late = [(s, v[0]) for s, v in mine if s >= steps // 2]
-        row["rss_slope_mb_per_100_steps"] = slope_per_100([s for s, _ in late], [v for _, v in late])
+        row["rss_slope_mb_per_100_steps"], row["rss_noise_mb"] = slope_per_100([s for s, _ in late], [v for _, v in late])
         # against the role's largest RSS: a process exiting with the run reads 0 at the end
         row["rss_slope_share"] = row["rss_slope_mb_per_100_steps"] / max(max(v[0] for _, v in mine), 1e-9)
         out[name] = row
@@ -124,17 +152,17 @@ def left_behind(run_dir: Path, tmp_before: set[str], keep: dict[str, int]) -> di
             **{f"{name}_keep_last": n for name, n in keep.items()}}
 
 
-def markdown(result: dict) -> list[str]:
-    lines = [f"Soak (`benchmarks/soak.py`): the quickstart for {result['steps']} steps, each process's resident "
+def markdown(result: dict, what: str = "the quickstart") -> list[str]:
+    lines = [f"Soak (`benchmarks/soak.py`): {what} for {result['steps']} steps, each process's resident "
              f"memory (MB), open files and threads sampled every {INTERVAL_S:g} s; the RSS slope is a least-squares "
-             "line over the second half of the run.", "",
-             "| process | RSS @100 | RSS @500 | RSS at the end | slope (MB / 100 steps) | slope / RSS | files @100 / end | threads @100 / end |",
-             "|---|---|---|---|---|---|---|---|"]
+             "line over the second half of the run, σ the standard deviation of the samples about it.", "",
+             "| process | RSS @100 | RSS @500 | RSS at the end | slope (MB / 100 steps) | slope / RSS | σ (MB) | files @100 / end | threads @100 / end |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for name, row in result["processes"].items():
         get = lambda key: row.get(key)  # noqa: E731
         fmt = lambda v: "-" if v is None else f"{v:.0f}"  # noqa: E731
         lines.append(f"| {name} | {fmt(get('rss_mb@100'))} | {fmt(get('rss_mb@500'))} | {fmt(get('rss_mb@end'))} | "
-                     f"{row['rss_slope_mb_per_100_steps']:+.2f} | {row['rss_slope_share']:+.2%} | "
+                     f"{row['rss_slope_mb_per_100_steps']:+.2f} | {row['rss_slope_share']:+.2%} | {row.get('rss_noise_mb', 0):.1f} | "
                      f"{fmt(get('fds@100'))} / {fmt(get('fds@end'))} | {fmt(get('threads@100'))} / {fmt(get('threads@end'))} |")
     left = result["left_behind"]
     lines += ["", f"Left behind: {len(left['new_in_tmp'])} new entries in the temporary folder "
@@ -175,13 +203,29 @@ def soak(config: str | Path, model: Path, out: Path, steps: int, flags: tuple[st
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=1000)
-    parser.add_argument("--write", action="store_true", help="store results/soak.json and regenerate RESULTS.md")
+    parser.add_argument("--run", choices=sorted(SOAKS), default="quickstart")
+    parser.add_argument("--steps", type=int, help="default: 1,000 for the quickstart, 300 for wiki-search")
+    parser.add_argument("--write", action="store_true", help="store results/soak*.json and regenerate RESULTS.md")
+    parser.add_argument("--reanalyze", action="store_true",
+                        help="recompute the stored run's figures from its samples (no run), keeping its date")
     args = parser.parse_args(argv)
-    result = soak(QUICKSTART.config, prepare_model(QUICKSTART.full.recipe), WORK / "soak", args.steps)
-    lines = markdown(result)
+    spec = SOAKS[args.run]
+    part = "soak" if args.run == "quickstart" else f"soak-{args.run}"
+    what = "the quickstart" if args.run == "quickstart" else f"`{spec.config}` ({' '.join(spec.flags)})"
+    if args.reanalyze:
+        stored = json.loads((RESULTS / f"{part}.json").read_text())
+        result = stored[part]
+        result["processes"] = figures(result["samples"], result["steps"])
+        stored["lines"] = markdown(result, what)
+        (RESULTS / f"{part}.json").write_text(json.dumps(stored, indent=1))
+        print("\n".join(stored["lines"]))
+        print(f"wrote {write_results_md(RESULTS)}")
+        return 0
+    steps = args.steps or spec.steps
+    result = soak(spec.config, prepare_model(spec.recipe), WORK / part, steps, spec.flags)
+    lines = markdown(result, what)
     if args.write:
-        write_part(RESULTS, "soak", f"{args.steps} steps, one run", lines, result)
+        write_part(RESULTS, part, f"{steps} steps, one run", lines, result)
     else:
         print("\n".join(lines))
     return 0

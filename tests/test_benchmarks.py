@@ -403,13 +403,16 @@ def test_the_soak_figures_read_each_roles_milestones_and_its_late_slope():
     100 MB per 100 steps over the second half; an orchestrator that stays flat, 0."""
     from benchmarks.soak import figures, slope_per_100
 
-    assert slope_per_100([0, 100, 200], [10.0, 20.0, 30.0]) == pytest.approx(10.0)
-    assert slope_per_100([5], [1.0]) == 0.0
+    assert slope_per_100([0, 100, 200], [10.0, 20.0, 30.0]) == pytest.approx((10.0, 0.0))
+    # the line through (0, 10.33), (200, 30.33): residuals -1/3, 2/3, -1/3, σ = sqrt(2/9)
+    assert slope_per_100([0, 100, 200], [10.0, 21.0, 30.0]) == pytest.approx((10.0, (2 / 9) ** 0.5))
+    assert slope_per_100([5], [1.0]) == (0.0, 0.0)
     samples = [(float(s), s, {"trainer": (1000.0 + max(0, s - 500), 10, 4), "orchestrator": (400.0, 60, 7)})
                for s in range(0, 1001, 50)]
     got = figures(samples, 1000)
     assert got["trainer"]["rss_mb@100"] == 1000.0 and got["trainer"]["rss_mb@500"] == 1000.0
     assert got["trainer"]["rss_mb@end"] == 1500.0 and got["trainer"]["fds@end"] == 10
     assert got["trainer"]["rss_slope_mb_per_100_steps"] == pytest.approx(100.0)
+    assert got["trainer"]["rss_noise_mb"] == pytest.approx(0.0, abs=1e-6)  # on its line
     assert got["orchestrator"]["rss_slope_mb_per_100_steps"] == pytest.approx(0.0, abs=1e-9)
     assert got["orchestrator"]["rss_slope_share"] == pytest.approx(0.0, abs=1e-9)
