@@ -14,7 +14,7 @@ import time
 import psutil
 import pytest
 from prime_rl.config import LoadConfig
-from prime_rl.procmem import GB, MachineMemory
+from prime_rl.procmem import GB, MB, MachineMemory
 from prime_rl.rundir import load_state_path
 
 from orchestrator.load import EpisodeLimiter, Footprints, InferenceCap, Measure, Signals, allowance, measure, parse_signals
@@ -118,6 +118,19 @@ def test_a_real_process_tree_is_split_into_episodes_of_a_worker_and_of_the_orche
 
 
 # --------------------------------------------------------------------------- the limiter
+
+
+def test_a_program_on_the_cpu_counts_as_busy_and_a_sleeping_one_does_not():
+    spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    sleep = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        time.sleep(0.5)
+        seen = [measure(os.getpid(), os.getpid(), {}, {}, ["p"], {"p": 2}) for _ in range(20)]
+        assert max(m.busy["p"] for m in seen) == 1 and all(m.programs["p"] == 2 for m in seen)
+    finally:
+        for proc in (spin, sleep):
+            proc.kill()
+            proc.wait()
 
 
 class Scripted(EpisodeLimiter):
@@ -307,6 +320,81 @@ def test_the_slow_start_waits_until_the_episodes_programs_run(tmp_path):
 
     held, grown = run(go())
     assert held == 4 and grown == 8  # one doubling: then 2 of 8 run, and it waits again
+
+
+def test_a_program_environments_groups_wait_while_its_programs_fill_the_cpus(tmp_path):
+    """Two CPUs: while 3 of its programs are runnable (starting up) no other group starts; once
+    they are not, one group a poll (its 4 programs start: with those, the CPUs are full again)."""
+
+    async def go():
+        limiter = Scripted(tmp_path, budget_gb=100, episode_bytes=0, poll_s=0.05)
+        limiter.cpus = 2
+        busy = {"a": 3}
+        base = limiter._measure
+        limiter._measure = lambda: Measure(**{**base().__dict__, "busy": dict(busy)})
+        limiter.limit["a"], limiter.has_programs["a"] = None, True  # past its slow start, seen running programs
+        await limiter.start()
+        release = asyncio.Event()
+
+        async def group():
+            async with limiter.episodes("a", 4):
+                await release.wait()
+
+        tasks = [asyncio.create_task(group()) for _ in range(6)]
+        await asyncio.sleep(0.5)  # ten polls
+        held = limiter.in_flight["a"]
+        busy["a"] = 0
+        await asyncio.sleep(0.03)  # within a poll or two
+        one_poll = limiter.in_flight["a"]
+        await asyncio.sleep(0.5)
+        later = limiter.in_flight["a"]
+        row = limiter.row()
+        release.set()
+        await asyncio.gather(*tasks)
+        await limiter.close()
+        return held, one_poll, later, row, limiter.describe()
+
+    held, one_poll, later, row, _ = run(go())
+    assert held == 4  # the first group (nothing was in flight), then none while the CPUs were full
+    assert one_poll <= 12 and later == 24  # a group a poll, then all six
+    assert row["load/programs_runnable_max"] == 3
+
+
+def test_the_slow_start_waits_while_the_footprint_still_grows(tmp_path):
+    """Programs that load for a while after they started: each poll measures an episode
+    larger than the last (x1.5), and the limit stays at one group until it holds still."""
+
+    async def go():
+        limiter = Scripted(tmp_path, budget_gb=100, episode_bytes=10 * MB, poll_s=0.05)
+        base, polls = limiter._measure, [0]
+
+        def growing() -> Measure:
+            polls[0] += 1
+            if polls[0] <= 10:  # the first ten measurements: each one larger
+                limiter.episode_bytes *= 1.5
+            return base()
+
+        limiter._measure = growing
+        await limiter.start()
+        release = asyncio.Event()
+
+        async def group():
+            async with limiter.episodes("a", 4):
+                await release.wait()
+
+        tasks = [asyncio.create_task(group()) for _ in range(4)]
+        while polls[0] < 9:
+            await asyncio.sleep(0.01)
+        held = limiter.in_flight["a"]
+        await asyncio.sleep(0.5)  # holds still now: it doubles, poll by poll
+        grown = limiter.in_flight["a"]
+        release.set()
+        await asyncio.gather(*tasks)
+        await limiter.close()
+        return held, grown
+
+    held, grown = run(go())
+    assert held == 4 and grown == 16
 
 
 def test_an_environment_of_short_episodes_without_programs_grows_after_a_second(tmp_path):

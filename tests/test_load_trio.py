@@ -57,7 +57,8 @@ def test_a_v1_null_harness_taskset_at_the_quickstarts_batch_trains_inside_the_me
     config = tmp_path / "rl.toml"
     env = f'id = "v1-reverse"\npython = "{python}"\nargs = {{ num_examples = 2048 }}'
     config.write_text(trio_toml(tiny_model, run_dir, max_steps=10, env=env, **QUICKSTART))
-    proc, tag = start_launcher(config)
+    # ~300 s a step, the CPU-bound harness programs one group at a time: past trio_toml's 300 s wait for a batch
+    proc, tag = start_launcher(config, "--transport.timeout-s", "1200")
     out = finish(proc, run_dir, timeout=4000)
     assert tagged_processes(tag) == []
     rows = check_inside_the_budget(run_dir, out, 10, "v1-reverse")
@@ -261,7 +262,7 @@ def test_a_workers_harness_program_killed_by_the_oom_killer_is_named_and_resume_
                    "BOMB_AFTER": str(run_dir / "checkpoints" / "step_1")}
     inline = ", ".join(f'{k} = "{v}"' for k, v in harness_env.items())
     env = f'id = "v1-reverse"\npython = "{python}"\nargs = {{ harness = {{ id = "null", env = {{ {inline} }} }} }}'
-    config.write_text(trio_toml(tiny_model, run_dir, max_steps=4, env=env, batch_size=8,
+    config.write_text(trio_toml(tiny_model, run_dir, max_steps=4, env=env, batch_size=4,
                                 extra="\n[ckpt]\ninterval = 1\nkeep_last = 5\n"))
     stops_out_of_memory_then_resumes(config, run_dir, "v1-reverse")
     assert (tmp_path / "bomb.used").exists()

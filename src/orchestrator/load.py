@@ -29,6 +29,12 @@ starved by smaller ones behind it). A group starts when all three bounds allow i
   covered them (half of them running their programs; for an environment never seen running
   any, a second since its first group started), so that its footprint is measured before
   many episodes start at once.
+- **CPU.** A group of an environment whose episodes run programs waits while the programs
+  runnable at the last poll (state R: starting up, say), with those admitted since, number
+  the run's CPUs or more: a v1 harness program's start-up costs a second or two of CPU, and
+  hundreds started at once on two cores starved vLLM's worker until its engine died
+  (measured). The slow start of such an environment also waits while its footprint still
+  grows (by more than a tenth a poll: its programs are loading).
 - **Inference** (``inference_signals``). vLLM's `/metrics`: when it preempts requests or its
   KV cache is 95% full, the cap on all episodes in flight drops to three quarters of those in
   flight (at most once every 5 s, never under one step's episodes, which the async pipeline
@@ -62,7 +68,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from prime_rl.config import LoadConfig
-from prime_rl.procmem import GB, MB, MachineMemory, machine_memory, process_tree, run_root
+from prime_rl.procmem import GB, MB, MachineMemory, machine_memory, process_tree, run_root, usable_cpus
 from prime_rl.rundir import load_state_path, write_json_atomic
 
 BUDGET_SHARE = 0.9
@@ -77,6 +83,9 @@ FOOTPRINT_DECAY = 0.97
 SETTLE_S = 1.0
 """Seconds after its first group started before the slow start of an environment never seen
 running programs takes the measurement to cover its episodes (their programs may be slow to start)."""
+
+GROWING = 1.1
+"""A footprint that grew by more than this factor in a poll is still growing: the slow start waits."""
 
 SLOW_START_POLL_S = 0.25
 """Seconds between polls while an environment's episodes double each poll (its slow start)."""
@@ -186,6 +195,9 @@ class Measure:
     worker_own: dict[str, int]
     """Per environment in a worker process: the memory of the worker itself."""
 
+    busy: dict[str, int] = field(default_factory=dict)
+    """Per environment: of its episodes' programs, those runnable now (starting up, say)."""
+
 
 def measure(root: int, orchestrator: int, workers: dict[str, int], baselines: dict[str, int],
             in_process: list[str], in_flight: dict[str, int]) -> Measure:
@@ -199,29 +211,38 @@ def measure(root: int, orchestrator: int, workers: dict[str, int], baselines: di
     for proc in procs:
         children.setdefault(proc.ppid, []).append(proc)
 
-    def tree_memory(proc) -> int:
-        total, todo = 0, [proc]
+    def tree(proc) -> list:
+        found, todo = [], [proc]
         while todo:
             proc = todo.pop()
-            total += proc.anon
+            found.append(proc)
             todo += children.get(proc.pid, [])
-        return total
+        return found
+
+    def tree_memory(proc) -> int:
+        return sum(p.anon for p in tree(proc))
+
+    def tree_busy(procs) -> int:
+        return sum(p.running for kid in procs for p in tree(kid))
 
     own = {p.pid: p.anon for p in procs}
     episodes: dict[str, int] = {}
     programs: dict[str, int] = {}
+    busy: dict[str, int] = {}
     for name, pid in workers.items():
         kids = children.get(pid, [])
-        programs[name] = len(kids)
+        programs[name], busy[name] = len(kids), tree_busy(kids)
         episodes[name] = sum(tree_memory(kid) for kid in kids) + max(0, own.get(pid, 0) - baselines.get(name, own.get(pid, 0)))
     others = [kid for kid in children.get(orchestrator, []) if kid.pid not in workers.values()]
     memory = sum(tree_memory(kid) for kid in others)
     playing = sum(in_flight.get(name, 0) for name in in_process)
+    runnable = tree_busy(others)
     for name in in_process:
         share = in_flight.get(name, 0) / playing if playing else 0.0
         episodes[name], programs[name] = int(memory * share), round(len(others) * share)
+        busy[name] = round(runnable * share)
     worker_own = {name: own[pid] for name, pid in workers.items() if pid in own}
-    return Measure(sum(own.values()), machine_memory(), episodes, programs, dict(in_flight), worker_own)
+    return Measure(sum(own.values()), machine_memory(), episodes, programs, dict(in_flight), worker_own, busy)
 
 
 @dataclass
@@ -273,6 +294,7 @@ class _Window:
     used_max: int = 0
     available_min: int | None = None
     throttled_s: float = 0.0
+    busy_max: int = 0
     kv_max: float | None = None
     preempted: float = 0.0
     queue_max: float | None = None
@@ -296,6 +318,11 @@ class EpisodeLimiter:
         self.limit: dict[str, int | None] = dict.fromkeys(self.names, 0)
         """Slow start: most episodes in flight per environment (0 = one group; None = no limit)."""
         self.footprints = Footprints()
+        self.growing: dict[str, bool] = dict.fromkeys(self.names, False)
+        """Per environment: its footprint grew by more than a tenth at the last poll (its programs still load)."""
+        self.cpus = usable_cpus()
+        self._started_since = 0
+        """Episodes of environments with programs admitted since the last measurement (their programs are starting)."""
         self.has_programs: dict[str, bool] = dict.fromkeys(self.names, False)
         self.first_played: dict[str, float] = {}
         """Per environment: unix time its first group was admitted."""
@@ -376,6 +403,8 @@ class EpisodeLimiter:
 
     def _take(self, env: str, n: int) -> None:
         self.in_flight[env] += n
+        if self.has_programs[env]:
+            self._started_since += n
         self.first_played.setdefault(env, time.time())
 
     def _give_back(self, env: str, n: int, ticket: int | None) -> None:
@@ -396,7 +425,18 @@ class EpisodeLimiter:
             return False
         if self.inference.cap is not None and total + n > self.inference.cap:
             return False
+        if self.has_programs[env] and self._cpus_busy():
+            return False
         return self._memory_fits(env, n)
+
+    def _cpus_busy(self) -> bool:
+        """The episodes' programs runnable at the last measurement, with those admitted since
+        (starting now), fill the run's CPUs: a group that starts more programs waits. A
+        harness program's start-up costs a second or two of CPU: hundreds started at once on
+        two cores starved vLLM's worker past its own timeout (its engine died, measured)."""
+        if self.last is None:
+            return False
+        return sum(self.last.busy.values()) + self._started_since >= self.cpus
 
     def _memory_fits(self, env: str, n: int) -> bool:
         if self.last is None or self.budget is None:
@@ -448,13 +488,18 @@ class EpisodeLimiter:
 
     def _record(self, m: Measure) -> None:
         self.last = m
+        self._started_since = 0
+        before = dict(self.footprints.bytes)
         self.footprints.update(m)
+        for name, now in self.footprints.bytes.items():
+            self.growing[name] = now > GROWING * before.get(name, 0.0)
         for name, running in m.programs.items():
             self.has_programs[name] = self.has_programs[name] or running > 0
         w = self._window
         w.in_flight.append(sum(self.in_flight.values()))
         w.waiting_max = max(w.waiting_max, sum(x.n for x in self._waiters))
         w.used_max = max(w.used_max, m.used)
+        w.busy_max = max(w.busy_max, sum(m.busy.values()))
         if m.machine is not None:
             w.available_min = m.machine.available if w.available_min is None else min(w.available_min, m.machine.available)
         if self.budget is not None and m.used > self.budget:
@@ -479,8 +524,8 @@ class EpisodeLimiter:
         for name, limit in self.limit.items():
             if limit is None or m is None or not m.in_flight.get(name):
                 continue
-            if self.has_programs[name]:
-                settled = 2 * m.programs.get(name, 0) >= m.in_flight[name]
+            if self.has_programs[name]:  # and they have grown to their size
+                settled = 2 * m.programs.get(name, 0) >= m.in_flight[name] and not self.growing[name]
             else:  # its episodes' memory shows at once, unless programs are yet to start: give them a second
                 settled = now - self.first_played.get(name, now) >= SETTLE_S
             if settled:
@@ -533,6 +578,7 @@ class EpisodeLimiter:
             "load/episodes_waiting_max": w.waiting_max,
             "load/throttled_s": w.throttled_s,
             "load/memory_gb": w.used_max / GB,
+            "load/programs_runnable_max": w.busy_max,
         }
         if self.budget is not None and math.isfinite(self.budget):
             row["load/memory_budget_gb"] = self.budget / GB
@@ -563,7 +609,9 @@ class EpisodeLimiter:
         if self._waiters:
             why = ""
             if self.last is not None and self.budget is not None and math.isfinite(self.budget):
-                why = f" (the run holds {self.last.used / GB:.1f} GB of its {self.budget / GB:.1f} GB budget)"
+                why = f" (the run holds {self.last.used / GB:.1f} GB of its {self.budget / GB:.1f} GB budget"
+                busy = sum(self.last.busy.values())
+                why += f"; {busy} episode programs runnable on {self.cpus} CPUs)" if busy >= self.cpus else ")"
             parts.append(f"{len(self._waiters)} groups waiting to start{why}")
         return "; ".join(parts) or "no episodes in flight"
 

@@ -63,6 +63,9 @@ class ProcInfo:
     with 280 harness programs measured here), and anonymous memory is what the OOM killer
     weighs."""
 
+    running: bool = False
+    """Runnable now (state R): on a CPU, or waiting for one."""
+
 
 def cgroup_mounts() -> dict[str, Path]:
     """Mount points by kind: ``cgroup2``, and each v1 controller (``memory``, ``pids``)."""
@@ -170,8 +173,17 @@ def process_tree(root: int) -> list[ProcInfo]:
         with contextlib.suppress(psutil.Error):
             with proc.oneshot():
                 memory = proc.memory_info()
-                found.append(ProcInfo(proc.pid, proc.ppid(), proc.name(), memory.rss, max(0, memory.rss - memory.shared)))
+                found.append(ProcInfo(proc.pid, proc.ppid(), proc.name(), memory.rss, max(0, memory.rss - memory.shared),
+                                      proc.status() == psutil.STATUS_RUNNING))
     return found
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity; a cgroup's CPU quota is not read)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
 
 
 def run_root() -> int:
