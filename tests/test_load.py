@@ -152,6 +152,24 @@ class Scripted(EpisodeLimiter):
                        flying, {})
 
 
+def holding_groups(limiter, env: str, n: int, count: int) -> tuple[list[asyncio.Task], asyncio.Event]:
+    """``count`` groups of ``n`` episodes of ``env`` asking in turn, each held until the event is set."""
+    release = asyncio.Event()
+
+    async def group():
+        async with limiter.episodes(env, n):
+            await release.wait()
+
+    return [asyncio.create_task(group()) for _ in range(count)], release
+
+
+async def let_go(limiter, tasks: list[asyncio.Task], release: asyncio.Event) -> None:
+    """End ``holding_groups``' groups, then the limiter."""
+    release.set()
+    await asyncio.gather(*tasks)
+    await limiter.close()
+
+
 def run(coro):
     return asyncio.run(asyncio.wait_for(coro, 20))
 
@@ -254,18 +272,10 @@ def test_what_the_limiter_saw_is_written_for_the_launcher_and_said_for_the_watch
     async def go():
         limiter = Scripted(tmp_path, budget_gb=2, episode_bytes=0.5 * GB)
         await limiter.start()
-        release = asyncio.Event()
-
-        async def group():
-            async with limiter.episodes("a", 2):
-                await release.wait()
-
-        tasks = [asyncio.create_task(group()) for _ in range(2)]
+        tasks, release = holding_groups(limiter, "a", 2, 2)
         await asyncio.sleep(0.3)
         text, state = limiter.describe(), json.loads(load_state_path(tmp_path).read_text())
-        release.set()
-        await asyncio.gather(*tasks)
-        await limiter.close()
+        await let_go(limiter, tasks, release)
         return text, state
 
     text, state = run(go())
@@ -301,21 +311,13 @@ def test_the_slow_start_waits_until_the_episodes_programs_run(tmp_path):
         base = limiter._measure
         limiter._measure = lambda: Measure(**{**base().__dict__, "programs": dict(running)})
         await limiter.start()
-        release = asyncio.Event()
-
-        async def group():
-            async with limiter.episodes("a", 4):
-                await release.wait()
-
-        tasks = [asyncio.create_task(group()) for _ in range(4)]
+        tasks, release = holding_groups(limiter, "a", 4, 4)
         await asyncio.sleep(0.6)  # polls every 0.05 s: without the rule it would have doubled many times
         held = limiter.in_flight["a"]
         running["a"] = 2  # half of them run now
         await asyncio.sleep(0.3)
         grown = limiter.in_flight["a"]
-        release.set()
-        await asyncio.gather(*tasks)
-        await limiter.close()
+        await let_go(limiter, tasks, release)
         return held, grown
 
     held, grown = run(go())
@@ -334,13 +336,7 @@ def test_a_program_environments_groups_wait_while_its_programs_fill_the_cpus(tmp
         limiter._measure = lambda: Measure(**{**base().__dict__, "busy": dict(busy)})
         limiter.limit["a"], limiter.has_programs["a"] = None, True  # past its slow start, seen running programs
         await limiter.start()
-        release = asyncio.Event()
-
-        async def group():
-            async with limiter.episodes("a", 4):
-                await release.wait()
-
-        tasks = [asyncio.create_task(group()) for _ in range(6)]
+        tasks, release = holding_groups(limiter, "a", 4, 6)
         await asyncio.sleep(0.5)  # ten polls
         held = limiter.in_flight["a"]
         busy["a"] = 0
@@ -349,9 +345,7 @@ def test_a_program_environments_groups_wait_while_its_programs_fill_the_cpus(tmp
         await asyncio.sleep(0.5)
         later = limiter.in_flight["a"]
         row = limiter.row()
-        release.set()
-        await asyncio.gather(*tasks)
-        await limiter.close()
+        await let_go(limiter, tasks, release)
         return held, one_poll, later, row, limiter.describe()
 
     held, one_poll, later, row, _ = run(go())
@@ -376,21 +370,13 @@ def test_the_slow_start_waits_while_the_footprint_still_grows(tmp_path):
 
         limiter._measure = growing
         await limiter.start()
-        release = asyncio.Event()
-
-        async def group():
-            async with limiter.episodes("a", 4):
-                await release.wait()
-
-        tasks = [asyncio.create_task(group()) for _ in range(4)]
+        tasks, release = holding_groups(limiter, "a", 4, 4)
         while polls[0] < 9:
             await asyncio.sleep(0.01)
         held = limiter.in_flight["a"]
         await asyncio.sleep(0.5)  # holds still now: it doubles, poll by poll
         grown = limiter.in_flight["a"]
-        release.set()
-        await asyncio.gather(*tasks)
-        await limiter.close()
+        await let_go(limiter, tasks, release)
         return held, grown
 
     held, grown = run(go())
