@@ -211,19 +211,14 @@ def measure(root: int, orchestrator: int, workers: dict[str, int], baselines: di
     for proc in procs:
         children.setdefault(proc.ppid, []).append(proc)
 
-    def tree(proc) -> list:
-        found, todo = [], [proc]
+    def descendants(kids) -> list:
+        """``kids`` and everything they started."""
+        found, todo = [], list(kids)
         while todo:
             proc = todo.pop()
             found.append(proc)
             todo += children.get(proc.pid, [])
         return found
-
-    def tree_memory(proc) -> int:
-        return sum(p.anon for p in tree(proc))
-
-    def tree_busy(procs) -> int:
-        return sum(p.running for kid in procs for p in tree(kid))
 
     own = {p.pid: p.anon for p in procs}
     episodes: dict[str, int] = {}
@@ -231,12 +226,14 @@ def measure(root: int, orchestrator: int, workers: dict[str, int], baselines: di
     busy: dict[str, int] = {}
     for name, pid in workers.items():
         kids = children.get(pid, [])
-        programs[name], busy[name] = len(kids), tree_busy(kids)
-        episodes[name] = sum(tree_memory(kid) for kid in kids) + max(0, own.get(pid, 0) - baselines.get(name, own.get(pid, 0)))
+        tree = descendants(kids)
+        programs[name], busy[name] = len(kids), sum(p.running for p in tree)
+        episodes[name] = sum(p.anon for p in tree) + max(0, own.get(pid, 0) - baselines.get(name, own.get(pid, 0)))
     others = [kid for kid in children.get(orchestrator, []) if kid.pid not in workers.values()]
-    memory = sum(tree_memory(kid) for kid in others)
+    tree = descendants(others)
+    memory = sum(p.anon for p in tree)
     playing = sum(in_flight.get(name, 0) for name in in_process)
-    runnable = tree_busy(others)
+    runnable = sum(p.running for p in tree)
     for name in in_process:
         share = in_flight.get(name, 0) / playing if playing else 0.0
         episodes[name], programs[name] = int(memory * share), round(len(others) * share)
