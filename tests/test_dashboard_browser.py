@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import assert_no_secret_in_traces, finish, free_port, start_launcher, tagged_processes, trio_toml
+from helpers import assert_no_secret_in_traces, free_port, start_launcher, tagged_processes, trio_toml
 from prime_rl.traces import read_traces, rollout_traces_path, trainer_traces_path
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -83,8 +83,9 @@ def test_the_page_of_a_live_run_grows_and_shows_a_samples_tokens(tmp_path, tiny_
             page.screenshot(path=str(shot), full_page=True)
         finally:
             browser.close()
-    finish(proc, run_dir)
+    proc.wait(timeout=900)  # not `finish`: its communicate() would close the pipe the reader is reading
     reader.join(timeout=10)
+    assert proc.returncode == 0, "".join(lines)
     assert shot.stat().st_size > 50_000
     assert tagged_processes(tag) == [], "the dashboard stops with the run"
     rollouts, trainer = read_traces(rollout_traces_path(run_dir)).rows, read_traces(trainer_traces_path(run_dir)).rows

@@ -438,26 +438,30 @@ def test_a_teacher_process_scores_every_sampled_token_across_the_kill(distilled_
     assert all(r["loss/reverse_kl_top_k"] >= 0 for r in trainer)
     assert all(r["distill/reverse_kl"] == r["distill/reverse_kl"] and r["distill/teacher_s"] > 0 for r in orchestrator)
 
-    samples, steps = 0, complete_steps(rollouts_dir(run_dir))  # the records a resume may still need
+    import numpy as np
+
+    scored, steps = [], complete_steps(rollouts_dir(run_dir))  # the records a resume may still need
     assert len(steps) >= max_steps - KILL_AFTER_CHECKPOINT, steps
     for step in steps:
         for frame in load_record(run_dir, step).frames:
             for micro in decode_batch(frame).micro_batches:
-                for sample in micro.samples:
-                    assert_teacher_scored(sample, step)
-                    samples += 1
-    assert samples == RESUME_RUN["batch_size"] * len(steps)  # batch_size rollouts of one sample each
+                scored += [assert_teacher_scored(sample, step) for sample in micro.samples]
+    assert len(scored) == RESUME_RUN["batch_size"] * len(steps)  # batch_size rollouts of one sample each
+    # Over the run, not per sample: one short sample's tokens may agree within 1e-3 by chance
+    # (CI saw a one-token sample at -5.5370 vs -5.5373).
+    teacher, student = (np.concatenate(side) for side in zip(*scored))
+    assert not np.allclose(teacher, student, atol=1e-3), "the teacher is another model"
 
 
-def assert_teacher_scored(sample, step: int) -> None:
-    """The teacher's logprob at each sampled token of ``sample`` and its top 5 tokens there."""
+def assert_teacher_scored(sample, step: int):
+    """The teacher's logprob at each sampled token of ``sample`` and its top 5 tokens there;
+    returns the teacher's and the student's logprobs at the sampled tokens."""
     import numpy as np
 
     ids, mask, student = sample_arrays(sample)
     teacher_lp = teacher_array(sample)
     assert teacher_lp is not None, f"step {step}: a sample without teacher logprobs"
     assert (teacher_lp[mask] < 0).all() and (teacher_lp[~mask] == 0).all()
-    assert not np.allclose(teacher_lp[mask], student[mask], atol=1e-3), "the teacher is another model"
     top_ids, top_lp = teacher_top_arrays(sample)
     assert top_ids.shape == top_lp.shape == (mask.sum(), 5), f"step {step}: not 5 tokens a sampled token"
     assert (np.diff(top_lp, axis=1) <= 0).all() and (top_lp <= 0).all(), "most likely first"
@@ -465,6 +469,7 @@ def assert_teacher_scored(sample, step: int) -> None:
     assert (teacher_lp[mask] <= top_lp[:, 0] + 1e-5).all(), "no token beats the teacher's first"
     listed = top_ids == sampled[:, None]
     np.testing.assert_allclose(top_lp[listed], np.repeat(teacher_lp[mask], listed.sum(1)), atol=1e-4)
+    return teacher_lp[mask], student[mask]
 
 
 # --------------------------------------------------------------------------- tools
