@@ -72,6 +72,23 @@ def test_failure_stops_the_others_and_names_the_failed_process(tmp_path):
     assert tagged_processes(tag) == []
 
 
+def test_of_two_failures_seen_at_once_the_process_killed_by_a_signal_is_named(tmp_path):
+    """Memory mode: a vLLM transfer fails the moment its trainer is killed, and the orchestrator
+    exits with that error; the launcher names the killed trainer, the cause."""
+    tag, go = new_tag(), tmp_path / "go"
+    wait_go = f"import os, pathlib, signal, sys, time\nwhile not pathlib.Path({str(go)!r}).exists(): time.sleep(0.01)\n"
+    specs = f"""[
+        ProcessSpec("orchestrator", [sys.executable, "-c", {wait_go + "sys.exit(1)"!r}]),
+        ProcessSpec("trainer", [sys.executable, "-c", {wait_go + "os.kill(os.getpid(), signal.SIGKILL)"!r}]),
+        ProcessSpec("starter", [sys.executable, "-c", {f"import pathlib, time; time.sleep(1); pathlib.Path({str(go)!r}).touch(); time.sleep(600)"!r}], required=False),
+    ]"""
+    env = {**os.environ, "PRIME_RL_TEST_TAG": tag}
+    proc = subprocess.run([sys.executable, "-c", driver(tmp_path, specs)], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode != 0
+    assert "trainer failed: it was killed by SIGKILL" in proc.stderr, proc.stderr
+    assert tagged_processes(tag) == []
+
+
 def test_success_when_required_processes_finish_and_server_is_stopped(tmp_path):
     tag = new_tag()
     specs = f"""[
@@ -122,6 +139,30 @@ def test_a_program_in_a_session_of_its_own_is_stopped_with_the_run_even_once_orp
     assert proc.returncode == 0, proc.stderr
     assert "stopped 1 process(es) of the run outside its process groups (e.g. " in proc.stderr, proc.stderr
     assert tagged_processes(tag) == []
+
+
+def test_a_launcher_run_in_process_adopts_orphans_only_while_it_runs(tmp_path):
+    """A process that runs a launcher and goes on (this test session) must not stay a child
+    subreaper: it would adopt, and never reap, every orphan of its later children. The run's
+    adopted orphans that exited are reaped at the stop."""
+    import ctypes
+
+    def subreaper() -> bool:
+        flag = ctypes.c_int(0)
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(37, ctypes.byref(flag), 0, 0, 0)  # PR_GET_CHILD_SUBREAPER
+        return bool(flag.value)
+
+    orphaning = "import subprocess, sys; subprocess.Popen([sys.executable, '-c', 'pass'])"  # exits before its child
+    run = launcher.Launcher(tmp_path, [ProcessSpec("orchestrator", [sys.executable, "-c", orphaning])])
+    run.start()
+    assert subreaper()
+    run.wait()
+    time.sleep(0.5)  # the orphan exits, a zombie of ours until reaped
+    run.stop()
+    assert not subreaper()
+    import psutil
+
+    assert [c for c in psutil.Process().children() if c.status() == psutil.STATUS_ZOMBIE] == []
 
 
 def test_children_die_with_a_killed_launcher(tmp_path):

@@ -111,12 +111,32 @@ def describe_exit(code: int) -> str:
     return f"exited with code {code}"
 
 
-def become_subreaper() -> None:
+def become_subreaper(on: bool = True) -> None:
     """Take the run's orphans: a descendant whose parent exits (a v1 harness program, in a
     session of its own, whose environment worker was killed) is reparented to the launcher,
-    not to init, so ``Launcher.stop`` still finds and stops it (PR_SET_CHILD_SUBREAPER)."""
+    not to init, so ``Launcher.stop`` still finds and stops it (PR_SET_CHILD_SUBREAPER).
+    ``Launcher.stop`` turns it off again: a process that runs a launcher and goes on (a test
+    session) would otherwise adopt, and never reap, every orphan of its later children."""
     with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(36, 1, 0, 0, 0)  # 36 = PR_SET_CHILD_SUBREAPER
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(36, int(on), 0, 0, 0)  # 36 = PR_SET_CHILD_SUBREAPER
+
+
+def child_pids() -> set[int]:
+    with contextlib.suppress(psutil.Error):
+        return {child.pid for child in psutil.Process().children()}
+    return set()
+
+
+def reap_adopted(own: set[int]) -> None:
+    """Collect the exit status of orphans adopted while the run ran that have exited since
+    (zombies until their new parent waits for them). ``own``: children that are not orphans
+    (the launched processes, waited for by Popen; those the process had before the run)."""
+    with contextlib.suppress(psutil.Error):
+        for child in psutil.Process().children():
+            if child.pid not in own:
+                with contextlib.suppress(ChildProcessError, OSError, psutil.Error):
+                    if child.status() == psutil.STATUS_ZOMBIE:
+                        os.waitpid(child.pid, os.WNOHANG)
 
 
 def strays(launched: set[int]) -> list[psutil.Process]:
@@ -220,6 +240,7 @@ class Launcher:
         self.printer: StatusPrinter | None = None  # a headless run's periodic status (prime_rl.observe.status)
         self.memory: RunMemory | None = None  # the census and the OOM check, from start() on
         self.tmp_dirs: dict[str, str] = {}  # each started process's private directory (tmp_dir_env)
+        self.children_before: set[int] = set()  # children this process had before start(): not the run's orphans
 
     def start(self) -> None:
         self.started_unix = time.time()
@@ -227,6 +248,7 @@ class Launcher:
             with contextlib.suppress(OSError):
                 heartbeat_path(self.run_dir, spec.name).unlink(missing_ok=True)
         self.memory = RunMemory(self.run_dir, self.started_unix)  # before any process: its kills are the run's
+        self.children_before = child_pids()
         become_subreaper()
         for spec in self.specs:
             if spec.terminal:
@@ -257,6 +279,7 @@ class Launcher:
         reported: set[str] = set()
         while True:
             self.check_memory()
+            failed: list[tuple[ProcessSpec, int]] = []
             for spec in self.specs:
                 code = self.procs[spec.name].poll()
                 if code is None:
@@ -268,9 +291,14 @@ class Launcher:
                               "the run goes on without it", file=sys.stderr, flush=True)
                     continue
                 if code != 0 or not spec.required:
-                    if code == -signal.SIGKILL:  # the OOM killer's signal: raises OutOfMemory when it was
-                        self.check_memory({spec.name: self.procs[spec.name].pid})
-                    raise ProcessFailed(spec.name, code, None if spec.terminal else log_path(self.run_dir, spec.name))
+                    failed.append((spec, code))
+            if failed:
+                # One killed by a signal is named first: the others' errors may follow from it
+                # within milliseconds (memory mode: a worker's transfer fails as its trainer dies).
+                spec, code = min(failed, key=lambda failure: failure[1] >= 0)
+                if code == -signal.SIGKILL:  # the OOM killer's signal: raises OutOfMemory when it was
+                    self.check_memory({spec.name: self.procs[spec.name].pid})
+                raise ProcessFailed(spec.name, code, None if spec.terminal else log_path(self.run_dir, spec.name))
             # A node that only serves (a SLURM inference node) runs until it is stopped.
             if required and all(self.procs[name].poll() == 0 for name in required):
                 return
@@ -349,6 +377,8 @@ class Launcher:
         if stopped:
             print(f"[prime-rl] stopped {len(stopped)} process(es) of the run outside its process groups "
                   f"(e.g. {stopped[0]})", file=sys.stderr, flush=True)
+        reap_adopted({proc.pid for proc in self.procs.values()} | self.children_before)
+        become_subreaper(False)
         # Only now that nothing of theirs runs: a live vLLM binds new sockets there (a handshake).
         for name, path in self.tmp_dirs.items():
             remove_tmp_dir(name, path)
