@@ -46,6 +46,28 @@ def test_eight_gpus_split_four_and_four(tmp_path):
     assert cfg.orchestrator.client.base_url == [f"http://127.0.0.1:{9000 + i}" for i in range(4)]
 
 
+def test_memory_mode_gives_every_process_the_transfer_group_and_its_server_the_engine(tmp_path):
+    """`[weight_transfer] mode = "memory"`: the group counts every replica's workers, vLLM is
+    started with this project's transfer engine (the teacher's is not: its weights never
+    change), the trainer gets a private TMPDIR for the group's store; without it nothing changes."""
+    cfg = with_teacher(inference={"tensor_parallel_size": 1}, weight_transfer={"mode": "memory"})
+    assert cfg.trainer.weight_transfer.workers == cfg.orchestrator.weight_transfer.workers == 2
+    placement = plan_single_node(cfg, gpus_available=6)
+    engine = '{"backend": "prime_rl"}'
+    assert flag(vllm_command(replica_inference(cfg, placement.replicas[1]), cpu=False), "--weight-transfer-config") == engine
+    assert "--weight-transfer-config" not in vllm_command(teacher_server(cfg, placement.teacher), cpu=False)
+    one_rank = config(weight_transfer={"mode": "memory"})
+    specs = {s.name: s for s in specs_of(one_rank, tmp_path, plan_single_node(one_rank, gpus_available=0))}
+    assert specs["trainer"].tmp_dir_env == "TMPDIR"
+    directory = config()
+    assert "--weight-transfer-config" not in vllm_command(directory.inference, cpu=True)
+    specs = {s.name: s for s in specs_of(directory, tmp_path / "d", plan_single_node(directory, gpus_available=0))}
+    assert specs["trainer"].tmp_dir_env is None
+    cfg = config(deployment={"inference_gpus": 4, "trainer_gpus": 2}, inference={"tensor_parallel_size": 2},
+                 weight_transfer={"mode": "memory"})
+    assert cfg.orchestrator.weight_transfer.workers == 4  # 2 replicas x 2 GPUs
+
+
 def test_tensor_parallel_replicas_take_consecutive_gpus():
     cfg = config(deployment={"inference_gpus": 4, "trainer_gpus": 2}, inference={"tensor_parallel_size": 2})
     placement = plan_single_node(cfg, gpus_available=8)

@@ -169,6 +169,12 @@ def test_a_multi_node_job_without_transport_keys_is_refused(tmp_path):
         specs_of(config, tmp_path / "run", placement, node=1)
 
 
+def test_memory_weight_transfer_in_a_multi_node_job_is_refused_naming_the_setting():
+    with pytest.raises(ValueError, match=r'weight_transfer.mode = "memory" runs on one node for now'):
+        RLConfig.model_validate({"batch_size": 64, "weight_transfer": {"mode": "memory"},
+                                 "slurm": {"nodes": 2, "inference_nodes": 1, "gpus_per_node": 0}})
+
+
 FAILING_INFERENCE_SRUN = """#!/bin/bash
 # the inference nodes' step fails after a moment; the trainer nodes' step would run on
 case "$*" in *--nodelist=a1,a2*) sleep 0.5; exit 3 ;; esac

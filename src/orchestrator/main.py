@@ -61,6 +61,7 @@ from prime_rl.metrics import Metrics, make_metrics
 from prime_rl.registry import SET_PARSER
 from prime_rl.rundir import MARKER, latest_weights_step, weights_dir, weights_step_dir
 from prime_rl.settings import ConfigError, exit_process, help_text, process_config
+from prime_rl.transfer import Announcement, read_announcement
 from prime_rl.wire import encode_batch
 
 from orchestrator.advantages import group_advantages, zero_variance_groups
@@ -110,14 +111,24 @@ class PolicySync:
     empty without a reload or without the check."""
 
 
-async def wait_for_weights(run_dir: Path, min_step: int, timeout_s: float) -> int:
-    """Poll until a complete `weights/step_K` with K >= min_step exists; returns the newest K."""
+def newest_policy(run_dir: Path) -> tuple[int, Path | Announcement] | None:
+    """The newest policy version the trainer published and where it is: a complete
+    `weights/step_K`, or in memory mode a version it announced (``prime_rl.transfer``)."""
+    step = latest_weights_step(run_dir)
+    announced = read_announcement(run_dir)
+    if announced is not None and (step is None or announced.version > step):
+        return announced.version, announced
+    return None if step is None else (step, weights_step_dir(run_dir, step))
+
+
+async def wait_for_weights(run_dir: Path, min_step: int, timeout_s: float) -> tuple[int, Path | Announcement]:
+    """Poll until policy version K >= min_step is published (``newest_policy``); returns the newest."""
     deadline = time.monotonic() + timeout_s
-    while (latest := latest_weights_step(run_dir)) is None or latest < min_step:
+    while (newest := newest_policy(run_dir)) is None or newest[0] < min_step:
         if time.monotonic() >= deadline:
             raise TimeoutError(weights_missing(run_dir, min_step, timeout_s))
         await asyncio.sleep(WEIGHTS_POLL_S)
-    return latest
+    return newest
 
 
 async def sync_policy(
@@ -129,14 +140,15 @@ async def sync_policy(
     start = time.perf_counter()
     required = step - (cfg.async_level if async_level is None else async_level)
     if loaded < required:
-        latest = await wait_for_weights(cfg.output_dir, required, cfg.weights_timeout_s)
+        newest = await wait_for_weights(cfg.output_dir, required, cfg.weights_timeout_s)
     else:
-        latest = latest_weights_step(cfg.output_dir)
+        newest = newest_policy(cfg.output_dir)
     wait_s = time.perf_counter() - start
-    if latest is None or latest <= loaded:
+    if newest is None or newest[0] <= loaded:
         return PolicySync(version=loaded, reloaded_step=None, wait_s=wait_s, reload_s=0.0)
     start = time.perf_counter()
-    await client.reload_weights(weights_step_dir(cfg.output_dir, latest), latest)
+    latest, weights = newest
+    await client.reload_weights(weights, latest)
     reload_s = time.perf_counter() - start
     probes = await client.probe_replicas() if cfg.client.verify_reload else []
     return PolicySync(version=latest, reloaded_step=latest, wait_s=wait_s, reload_s=reload_s, probe_logprobs=tuple(probes))
@@ -318,10 +330,11 @@ async def follow_weights(cfg: OrchestratorConfig, client: InferenceClient, pool:
     in flight (``keep``: they continue on the new weights); a failure fails the pool's cut."""
     try:
         while True:
-            latest = latest_weights_step(cfg.output_dir)
-            if latest is not None and latest > client.version:
+            newest = newest_policy(cfg.output_dir)
+            if newest is not None and newest[0] > client.version:
                 start = time.perf_counter()
-                await client.reload_weights(weights_step_dir(cfg.output_dir, latest), latest, keep=True)
+                latest, weights = newest
+                await client.reload_weights(weights, latest, keep=True)
                 probes = tuple(await client.probe_replicas()) if cfg.client.verify_reload else ()
                 reloads.add(PolicySync(latest, latest, 0.0, time.perf_counter() - start, probes))
                 pool.notify()
@@ -358,9 +371,11 @@ def weights_stall(cfg: OrchestratorConfig, step: int) -> str:
 def weights_missing(run_dir: Path, step: int, timeout_s: float) -> str:
     """The one-line error of a wait for `weights/step_<step>` that ran out."""
     latest = latest_weights_step(run_dir)
+    announced = read_announcement(run_dir)
+    in_memory = f"; newest announced in memory: {announced.version}" if announced is not None else ""
     return (
         f"waited {timeout_s:.0f} s for {weights_step_dir(run_dir, step)} (with its {MARKER} marker); "
-        f"newest complete weights: {latest if latest is not None else 'none'} in {weights_dir(run_dir)}. "
+        f"newest complete weights: {latest if latest is not None else 'none'} in {weights_dir(run_dir)}{in_memory}. "
         "Is the trainer running and receiving batches?"
     )
 
@@ -452,7 +467,8 @@ async def run(cfg: OrchestratorConfig, envs: list[tuple[str, Environment]], toke
     data = {"seed": cfg.seed, "dataset_sizes": sizes, "weights": weights, "examples_per_step": examples_per_step}
     record_progress = cfg.ckpt.interval > 0
     metrics = make_metrics("orchestrator", cfg.output_dir, CONSOLE_KEYS, cfg.wandb, cfg.model_dump(mode="json"))
-    client = InferenceClient(cfg.client, cfg.model, lora_adapter=cfg.lora_adapter)
+    memory = cfg.weight_transfer if cfg.weight_transfer.mode == "memory" else None
+    client = InferenceClient(cfg.client, cfg.model, lora_adapter=cfg.lora_adapter, weight_transfer=memory)
     sampler = TokenSampler(
         client, tokenizer, cfg.sampling, cfg.seq_len, per_turn=cfg.multi_turn == "per_turn",
         tool_call_parser=cfg.tool_call_parser, teacher_system_prompt=cfg.teacher and cfg.teacher.system_prompt,

@@ -16,6 +16,7 @@ the environment variable ``prime_rl.keys.API_KEY_ENV``.
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import os
 import shlex
 import sys
@@ -28,6 +29,8 @@ CPU_FORK_SERVER = "inference.vllm_cpu"
 """The module that runs vLLM's server with its engine processes forked (`inference.cpu_fork`)."""
 
 AUTH_MIDDLEWARE = "inference.auth.RequireApiKey"
+WEIGHT_TRANSFER_BACKEND = "prime_rl"
+"""The weight-transfer engine `inference.weight_transfer` registers with vLLM (its plugin entry point in pyproject.toml)."""
 """vLLM `--middleware` that requires the key on every route (vLLM's `--api-key` guards /v1 only)."""
 
 TMP_DIR_ENV = "TMPDIR"
@@ -89,6 +92,9 @@ def vllm_command(cfg: InferenceConfig, cpu: bool) -> list[str]:
         # vLLM's parser reads the calls; /v1/chat/completions/derender (a scale-out route)
         # runs it on the token ids the orchestrator sampled through /v1/completions
         cmd += ["--enable-auto-tool-choice", "--tool-call-parser", cfg.tool_call_parser, "--enable-scale-out"]
+    if cfg.weight_transfer.mode == "memory":
+        # the engine registered by this project's vLLM plugin (inference.weight_transfer)
+        cmd += ["--weight-transfer-config", json.dumps({"backend": WEIGHT_TRANSFER_BACKEND})]
     if not cpu:
         cmd += ["--gpu-memory-utilization", str(cfg.gpu_memory_utilization)]
         # Always, 1 included: the placement gave this replica exactly that many GPUs

@@ -35,7 +35,8 @@ from trainer.model import (
 )
 from trainer.optim import build_optimizer, clip_and_step
 from trainer.traces import sample_traces, write_traces
-from trainer.weights import prune_weights, save_weights
+from trainer.transfer import WeightSender
+from trainer.weights import dedupe_tied, full_state_dict, prune_weights, save_weights
 
 CONSOLE_KEYS = (
     "loss/policy", "loss/reverse_kl", "loss/mismatch_kl", "loss/masked_frac", "optim/grad_norm",
@@ -89,6 +90,7 @@ def train(cfg: TrainerConfig) -> None:
             log(f"resumed from {checkpoint_step_dir(cfg.output_dir, start)} in {resume_row['time/load_ckpt']:.1f} s: next step {start}")
     # ids must index the embedding's rows (which may exceed the tokenizer's vocabulary)
     receiver = BatchReceiver(cfg.transport, world.rank, vocab_size=model.get_input_embeddings().num_embeddings)
+    sender = weight_sender(cfg, world)
     log(f"rank {world.rank}/{world.world_size} on {world.device}: {cfg.model.name}; batches from {receiver.address}")
     heartbeat.progress(f"loaded the model, next step {start}")
     reset_peak_memory()  # perf/peak_memory_mb: the training steps' peak, not loading's transients
@@ -114,7 +116,7 @@ def train(cfg: TrainerConfig) -> None:
             t_train = time.perf_counter()
             # 3. publish policy version `step + 1` (collective gather, rank 0 writes)
             with heartbeat.waiting(f"writing weights step {step + 1}"):
-                writers = publish_weights(model, cfg, step + 1, world)
+                writers = publish_weights(model, cfg, step + 1, world, sender)
             t_save = time.perf_counter()
             # 4. metrics (rank 0 only)
             timings = {
@@ -137,6 +139,8 @@ def train(cfg: TrainerConfig) -> None:
         if world.is_main:
             log(f"done: {cfg.max_steps} steps, weights in {cfg.output_dir / 'weights'}")
     finally:
+        if sender is not None:
+            sender.close()
         receiver.close()
         metrics.close()
         teardown_world(world)
@@ -152,12 +156,29 @@ def checkpoint(model: nn.Module, optimizer, scheduler, cfg: TrainerConfig, step:
         prune_weights(cfg.output_dir, cfg.weights.keep_last)
 
 
-def publish_weights(model: nn.Module, cfg: TrainerConfig, version: int, world: World) -> int:
-    """Write ``weights/step_{version}``; returns how many ranks wrote it, summed over ranks.
-    Logged as ``weights/writers``, it must be 1: every rank gathers, exactly one writes (a
-    second writer would race on the same folder and its marker)."""
-    folder = save_weights(model, cfg.output_dir, version, cfg.weights.keep_last, cfg.model.name, DTYPES[cfg.model.dtype])
-    return int(all_reduce(scalar(folder is not None, world), dist.ReduceOp.SUM))
+def weight_sender(cfg: TrainerConfig, world: World) -> WeightSender | None:
+    """Memory mode's sender, on rank 0 (LoRA adapters always go as folders)."""
+    if cfg.weight_transfer.mode != "memory" or cfg.lora is not None or not world.is_main:
+        return None
+    return WeightSender(cfg.output_dir, cfg.weight_transfer.workers, cfg.weight_transfer.timeout_s)
+
+
+def publish_weights(model: nn.Module, cfg: TrainerConfig, version: int, world: World, sender: WeightSender | None) -> int:
+    """Publish policy version ``version``: ``weights/step_{version}``, or in memory mode (but for
+    a checkpoint's version and the last, which a resume and the user read from the folder) a
+    copy held for the vLLM workers (``trainer.transfer``). Returns how many ranks wrote or
+    offered it, summed over ranks. Logged as ``weights/writers``, it must be 1: every rank
+    gathers, exactly one writes (a second writer would race on the same folder and its marker)."""
+    dtype = DTYPES[cfg.model.dtype]
+    in_memory = cfg.weight_transfer.mode == "memory" and cfg.lora is None
+    if in_memory and version != cfg.max_steps and not checkpoint_due(version, cfg.ckpt.interval, cfg.max_steps):
+        state = full_state_dict(model, dtype)  # collective; only rank 0 gets tensors
+        if sender is not None:
+            sender.offer(version, dedupe_tied(model, state))
+        published = sender is not None
+    else:
+        published = save_weights(model, cfg.output_dir, version, cfg.weights.keep_last, cfg.model.name, dtype) is not None
+    return int(all_reduce(scalar(published, world), dist.ReduceOp.SUM))
 
 
 def count_nonfinite(stats: dict[str, float], streak: int, limit: int, step: int) -> int:

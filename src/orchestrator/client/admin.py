@@ -1,10 +1,11 @@
 """vLLM's admin calls on the policy's replicas: weight reload (a full checkpoint or a LoRA
-adapter), pause and resume, the prefix-cache reset, and the probe that tells whether every
-replica serves the same weights.
+adapter from a folder, or a version from the trainer's memory), pause and resume, the
+prefix-cache reset, and the probe that tells whether every replica serves the same weights.
 
 ``Served`` is what the policy replicas serve (the model name requests carry, its version):
-the admin changes it, the policy's sampling calls read it. How new weights are loaded is
-chosen once, when the client is made: ``FullWeights`` or ``LoraAdapter``.
+the admin changes it, the policy's sampling calls read it. How a folder is loaded is chosen
+once, when the client is made: ``FullWeights`` or ``LoraAdapter``; a version announced in
+memory mode (``prime_rl.transfer.Announcement``) is received by ``MemoryWeights``.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from orchestrator.client.parse import (
 )
 from orchestrator.client.pool import ReplicaPool
 from orchestrator.client.replica import Replica
+from prime_rl.config import WeightTransferConfig
+from prime_rl.transfer import Announcement
 
 # /reset_prefix_cache answers 200 with {"success": false} while KV blocks are still held;
 # vLLM's docs say to retry. After /pause?mode=wait nothing runs, so a few tries suffice.
@@ -79,15 +82,46 @@ class LoraAdapter:
         return self.name
 
 
+class MemoryWeights:
+    """A version the trainer holds in memory, received by every worker of the replica over the
+    transfer group (vLLM's native weight-transfer routes; the protocol is ``prime_rl.transfer``'s).
+    A replica joins a trainer's group before its first version (again after a trainer restart:
+    a new store)."""
+
+    keeps_in_flight = True
+
+    def __init__(self, config: WeightTransferConfig, replicas: int):
+        self.config = config
+        self.workers_per_replica = max(1, config.workers // replicas)
+        self.joined: dict[str, str] = {}  # replica URL -> the store of the group it joined
+
+    async def load(self, pool: ReplicaPool, replica: Replica, announced: Announcement) -> None:
+        # One try each: a failed step leaves the worker outside the protocol (a resend would
+        # wait for a version the trainer no longer holds), and the run stops naming it.
+        if self.joined.get(replica.url) != announced.store:
+            index = pool.replicas.index(replica)
+            init_info = announced.init_info(index, self.workers_per_replica, self.config.timeout_s)
+            await pool.post(replica, "/init_weight_transfer_engine", json={"init_info": init_info}, retry=False)
+            self.joined[replica.url] = announced.store
+        await pool.post(replica, "/start_weight_update", retry=False)
+        await pool.post(replica, "/update_weights", json={"update_info": {"version": announced.version}}, retry=False)
+        await pool.post(replica, "/finish_weight_update", json={"weight_version": str(announced.version)}, retry=False)
+
+    def model_after(self, model: str) -> str:
+        return model
+
+
 class VllmAdmin:
-    def __init__(self, pool: ReplicaPool, served: Served, weights: FullWeights | LoraAdapter):
+    def __init__(self, pool: ReplicaPool, served: Served, weights: FullWeights | LoraAdapter,
+                 memory: MemoryWeights | None = None):
         self.pool = pool
         self.served = served
         self.weights = weights
+        self.memory = memory
 
-    async def reload_weights(self, weights_path: Path | str, version: int | None = None, *, keep: bool = False) -> None:
-        """Load a weights folder (``FullWeights`` / ``LoraAdapter``) into every replica, in place
-        and concurrently. Returns once every replica is done; any replica's error is raised,
+    async def reload_weights(self, weights: Path | str | Announcement, version: int | None = None, *, keep: bool = False) -> None:
+        """Load a weights folder (``FullWeights`` / ``LoraAdapter``), or a version announced in
+        memory mode (``MemoryWeights``), into every replica, in place and concurrently. Returns once every replica is done; any replica's error is raised,
         naming it (the others still finish their reload first).
 
         ``version`` is the policy version the folder holds (requests from now on carry it).
@@ -95,13 +129,18 @@ class VllmAdmin:
         ``/pause?mode=keep``, and continue on the new weights after ``/resume`` (their KV
         cache, computed with the old ones, is kept); without it they first finish on the old
         weights (``mode=wait``). New requests wait until the reload is done either way."""
-        path = str(Path(weights_path).resolve())
-        mode = "keep" if keep and self.weights.keeps_in_flight else "wait"
+        if isinstance(weights, Announcement):
+            if self.memory is None:
+                raise InferenceError(f"weights version {weights.version} was announced in memory, but this client has no transfer settings")
+            loader, source = self.memory, weights
+        else:
+            loader, source = self.weights, str(Path(weights).resolve())
+        mode = "keep" if keep and loader.keeps_in_flight else "wait"
         async with self.pool.generation_held():
-            await self.pool.on_every_replica(lambda replica: self._reload_replica(replica, path, mode))
+            await self.pool.on_every_replica(lambda replica: self._reload_replica(replica, loader, source, mode))
             if version is not None:
                 self.served.version = version
-        self.served.model = self.weights.model_after(self.served.model)
+        self.served.model = loader.model_after(self.served.model)
 
     async def resume(self) -> None:
         """Resume every replica's engine: a server that outlived a run (`prime-rl inference`)
@@ -122,7 +161,7 @@ class VllmAdmin:
             )
         return values
 
-    async def _reload_replica(self, replica: Replica, path: str, mode: str = "wait") -> None:
+    async def _reload_replica(self, replica: Replica, loader, source, mode: str = "wait") -> None:
         """Reload one replica. With generation requests in flight on this replica it first
         pauses its engine (``mode`` wait: they finish on the old weights; keep: they are
         frozen and go on with the new ones) and resumes it after; with none, as between the
@@ -135,7 +174,7 @@ class VllmAdmin:
         try:
             if drain:
                 await self.pool.post(replica, "/pause", params={"mode": mode})
-            await self.weights.load(self.pool, replica, path)
+            await loader.load(self.pool, replica, source)
             if not (drain and mode == "keep"):
                 await self._reset_prefix_cache(replica)
         except BaseException:

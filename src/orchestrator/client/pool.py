@@ -194,14 +194,16 @@ class ReplicaPool:
     # ----------------------------------------------------------------------- requests
 
     async def post(
-        self, replica: Replica, path: str, *, check: bool = True, resend_unanswered: bool = True, **kwargs: Any
+        self, replica: Replica, path: str, *, check: bool = True, resend_unanswered: bool = True, retry: bool = True,
+        **kwargs: Any,
     ) -> httpx.Response | None:
         """POST to one replica, retried (``_post_with_retries``); with ``check``, anything but a
         200 in the end is an InferenceError naming the call, else None after a transport failure.
         ``resend_unanswered=False`` for calls that must not run twice: a request the server may
-        have received but not answered (timeout, dropped connection) is then not sent again."""
+        have received but not answered (timeout, dropped connection) is then not sent again.
+        ``retry=False``: one try, whatever the failure (a step of a protocol a failure ends)."""
         try:
-            response = await self._post_with_retries(replica, path, resend_unanswered, kwargs)
+            response = await self._post_with_retries(replica, path, resend_unanswered, kwargs, retry)
         except httpx.TimeoutException:
             if not check:
                 return None
@@ -227,7 +229,7 @@ class ReplicaPool:
             raise InferenceError(f"POST {replica.url}{path} answered non-JSON: {response.text[:200]!r}") from None
 
     async def _post_with_retries(
-        self, replica: Replica, path: str, resend_unanswered: bool, kwargs: dict[str, Any]
+        self, replica: Replica, path: str, resend_unanswered: bool, kwargs: dict[str, Any], retry: bool = True
     ) -> httpx.Response:
         """The answer, after up to ``max_retries`` more tries of a transient failure; the last
         failure is returned (a 5xx) or raised. Without ``resend_unanswered`` only a refused
@@ -238,7 +240,7 @@ class ReplicaPool:
             return await self._exchange(replica, path, kwargs)
         except (httpx.RequestError, _TransientAnswer) as e:
             first = e
-        if not (self.config.max_retries and _worth_another_try(first, resend_unanswered)):
+        if not (retry and self.config.max_retries and _worth_another_try(first, resend_unanswered)):
             return _last_outcome(first)
         retrying = AsyncRetrying(
             stop=stop_after_attempt(self.config.max_retries),  # the tries after the first

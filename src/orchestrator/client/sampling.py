@@ -26,10 +26,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from prime_rl.config import ClientConfig
+from prime_rl.config import ClientConfig, WeightTransferConfig
 from prime_rl.envs import ToolCall
+from prime_rl.transfer import Announcement
 
-from orchestrator.client.admin import FullWeights, LoraAdapter, Served, VllmAdmin
+from orchestrator.client.admin import FullWeights, LoraAdapter, MemoryWeights, Served, VllmAdmin
 from orchestrator.client.parse import (
     FULL_DISTRIBUTION,
     Completion,
@@ -65,12 +66,14 @@ class InferenceClient(_PoolClient):
     """The policy's vLLM replicas: token-id sampling, tool-call parsing, and the admin calls."""
 
     def __init__(
-        self, config: ClientConfig, model_name: str, lora_adapter: str | None = None, *, own_server: bool = True
+        self, config: ClientConfig, model_name: str, lora_adapter: str | None = None, *, own_server: bool = True,
+        weight_transfer: WeightTransferConfig | None = None,
     ):
         super().__init__(config, own_server=own_server)
         self.served = Served(model_name)
         weights = FullWeights() if lora_adapter is None else LoraAdapter(lora_adapter)
-        self.admin = VllmAdmin(self.pool, self.served, weights)
+        memory = MemoryWeights(weight_transfer, len(self.pool.replicas)) if weight_transfer is not None else None
+        self.admin = VllmAdmin(self.pool, self.served, weights, memory)
 
     @property
     def version(self) -> int:
@@ -96,9 +99,9 @@ class InferenceClient(_PoolClient):
         """``ReplicaPool.metrics_texts``: vLLM's own figures, for the episode limiter."""
         return await self.pool.metrics_texts(timeout_s)
 
-    async def reload_weights(self, weights_path: Path | str, version: int | None = None, *, keep: bool = False) -> None:
+    async def reload_weights(self, weights: Path | str | Announcement, version: int | None = None, *, keep: bool = False) -> None:
         """``VllmAdmin.reload_weights``."""
-        await self.admin.reload_weights(weights_path, version, keep=keep)
+        await self.admin.reload_weights(weights, version, keep=keep)
 
     async def resume(self) -> None:
         """``VllmAdmin.resume``."""

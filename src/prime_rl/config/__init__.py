@@ -27,6 +27,7 @@ from prime_rl.config.shared import (  # noqa: F401
     StrictModel,
     TransportConfig,
     WandbConfig,
+    WeightTransferConfig,
     _Z85_KEY,
     _is_loopback,
     check_env_args,

@@ -9,7 +9,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from prime_rl.config.shared import StrictModel
+from prime_rl.config.shared import StrictModel, WeightTransferConfig
 
 
 class InferenceConfig(StrictModel):
@@ -77,6 +77,9 @@ class InferenceConfig(StrictModel):
 
     extra_args: list[str] = []
     """Extra command-line flags passed to the vLLM server as written."""
+
+    weight_transfer: WeightTransferConfig = WeightTransferConfig()
+    """How each new policy reaches this server (memory mode: it is started with the transfer engine)."""
 
     output_dir: Path = Path("outputs/run")
     """Run directory (the server's log lives there)."""

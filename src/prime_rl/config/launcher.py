@@ -11,7 +11,7 @@ from typing import Any
 from pydantic import BaseModel, Field, model_validator
 
 from prime_rl import registry
-from prime_rl.config.shared import CheckpointConfig, EnvConfig, SamplingConfig, StrictModel, TransportConfig, WandbConfig
+from prime_rl.config.shared import CheckpointConfig, EnvConfig, SamplingConfig, StrictModel, TransportConfig, WandbConfig, WeightTransferConfig
 from prime_rl.config.trainer import TrainerConfig, VLLM_LORA_RANKS, vllm_lora_rank
 from prime_rl.config.orchestrator import EvalConfig, OrchestratorConfig, PreflightConfig
 from prime_rl.config.inference import InferenceConfig
@@ -196,6 +196,7 @@ SHARED_FIELDS: dict[str, tuple[str, ...]] = {
     "env": ("orchestrator.env",),
     "wandb": ("trainer.wandb", "orchestrator.wandb"),
     "transport": ("trainer.transport", "orchestrator.transport"),
+    "weight_transfer": ("trainer.weight_transfer", "orchestrator.weight_transfer", "inference.weight_transfer"),
     "ckpt": ("trainer.ckpt", "orchestrator.ckpt"),
     "preflight": ("orchestrator.preflight",),
     "eval": ("orchestrator.eval",),
@@ -240,6 +241,9 @@ class RLConfig(StrictModel):
 
     transport: TransportConfig | None = None
     """Rollout transport settings for trainer and orchestrator."""
+
+    weight_transfer: WeightTransferConfig | None = None
+    """How each new policy reaches the vLLM servers (`[weight_transfer]`, for all three processes)."""
 
     ckpt: CheckpointConfig | None = None
     """Checkpoint settings for trainer and orchestrator."""
@@ -362,6 +366,9 @@ class RLConfig(StrictModel):
                 raise ValueError(problem)
         self._lora()
         self._teacher()
+        if self.trainer.weight_transfer.mode == "memory" and self.slurm is not None and self.slurm.multi_node:
+            raise ValueError('weight_transfer.mode = "memory" runs on one node for now (its group binds to loopback); '
+                             'use "directory" in a multi-node job')
         # One checkpoint schedule for both processes: the orchestrator follows the trainer's.
         if "ckpt" in self.orchestrator.model_fields_set and self.orchestrator.ckpt != self.trainer.ckpt:
             raise ValueError(

@@ -9,7 +9,10 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from prime_rl.config.shared import CheckpointConfig, ClientConfig, EnvConfig, MAX_TEACHER_TOP_K, SamplingConfig, StrictModel, TransportConfig, WandbConfig, check_env_names
+from prime_rl.config.shared import (
+    CheckpointConfig, ClientConfig, EnvConfig, MAX_TEACHER_TOP_K, SamplingConfig, StrictModel, TransportConfig, WandbConfig,
+    WeightTransferConfig, check_env_names,
+)
 
 
 class PreflightConfig(StrictModel):
@@ -186,6 +189,9 @@ class OrchestratorConfig(StrictModel):
 
     transport: TransportConfig = TransportConfig()
     """Where micro-batches go."""
+
+    weight_transfer: WeightTransferConfig = WeightTransferConfig()
+    """How each new policy reaches the vLLM servers (memory mode: this process asks them to receive it)."""
 
     ckpt: CheckpointConfig = CheckpointConfig()
     """Resumable progress (data cursor, batches sampled but not yet trained on)."""

@@ -354,6 +354,24 @@ MAX_TEACHER_TOP_K = 1024
 """Most tokens a teacher returns a position (`trainer.loss.distill.top_k`): 1024 x 8 bytes a sampled token on the wire."""
 
 
+class WeightTransferConfig(StrictModel):
+    """How each new policy reaches the vLLM servers (`[weight_transfer]`, docs/scaling.md)."""
+
+    mode: Literal["directory", "memory"] = "directory"
+    """`directory`: the trainer writes every version as `weights/step_N/` and each server reads it
+    (vLLM's `reload_weights`). `memory`: versions travel from the trainer's memory into the
+    running servers over a transfer group (`prime_rl.transfer`; vLLM's native weight-transfer
+    API), and only checkpoints' and the last step's weights are written as folders. LoRA
+    adapters always travel as folders."""
+
+    timeout_s: float = Field(120.0, gt=0)
+    """Memory mode: the longest wait for a peer of the transfer group: to form it, to start a
+    version's transfer once every worker asked for it, and in each broadcast."""
+
+    workers: int = Field(1, ge=1)
+    """Memory mode: the vLLM workers of every replica together (filled from `[deployment]`)."""
+
+
 class CheckpointConfig(StrictModel):
     """Resumable checkpoints: the trainer's under `checkpoints/step_N/`, the orchestrator's progress under `rollouts/`."""
 

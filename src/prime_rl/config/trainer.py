@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from prime_rl.config.shared import CheckpointConfig, MAX_TEACHER_TOP_K, ModelConfig, StrictModel, TransportConfig, WandbConfig
+from prime_rl.config.shared import CheckpointConfig, MAX_TEACHER_TOP_K, ModelConfig, StrictModel, TransportConfig, WandbConfig, WeightTransferConfig
 
 
 HEAD_CHUNK_ELEMENTS = 2**26
@@ -157,6 +157,9 @@ class TrainerConfig(StrictModel):
 
     transport: TransportConfig = TransportConfig()
     """Where micro-batches come from."""
+
+    weight_transfer: WeightTransferConfig = WeightTransferConfig()
+    """How each new policy reaches the vLLM servers (memory mode: this process sends it)."""
 
     ckpt: CheckpointConfig = CheckpointConfig()
     """Resumable checkpoints."""

@@ -355,9 +355,11 @@ def trainer_spec(config: RLConfig, run_dir: Path, placement: Placement, plan: No
     elif t.nproc_per_node > 1:
         cmd = [python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={t.nproc_per_node}", *cmd[1:]]
     env = {**QUIET, "OMP_NUM_THREADS": str(config.trainer.num_threads), **visible(t.gpus)}
-    # torchrun makes a `torchelastic_*` log folder in TMPDIR and leaves it: a private one the launcher removes
+    # A private TMPDIR the launcher removes: torchrun makes a `torchelastic_*` log folder there and
+    # leaves it; memory mode's transfer store lives there (a SIGKILLed trainer cannot remove it)
     torchrun = t.nnodes > 1 or t.nproc_per_node > 1
-    return ProcessSpec(name, cmd, env=env, tmp_dir_env=TMP_DIR_ENV if torchrun else None)
+    private_tmp = torchrun or config.trainer.weight_transfer.mode == "memory"
+    return ProcessSpec(name, cmd, env=env, tmp_dir_env=TMP_DIR_ENV if private_tmp else None)
 
 
 def visible(gpus: tuple[int, ...]) -> dict[str, str]:

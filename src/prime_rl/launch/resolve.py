@@ -69,6 +69,9 @@ def resolve(config: RLConfig) -> RLConfig:
         orchestrator.lora_adapter = orchestrator.lora_adapter or LORA_ADAPTER_NAME
     # One checkpoint schedule for both processes: the orchestrator follows the trainer's.
     orchestrator.ckpt = config.trainer.ckpt.model_copy()
+    # Memory mode's transfer group: the trainer and every replica's workers.
+    for section in (config.trainer, orchestrator, inference):
+        section.weight_transfer.workers = config.num_replicas * inference.tensor_parallel_size
     # `[teacher]` becomes the orchestrator's teacher client (kept when filled already: a SLURM job's resolved config).
     if config.teacher is not None and orchestrator.teacher is None:
         orchestrator.teacher = teacher_client(config)

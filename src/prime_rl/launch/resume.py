@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from prime_rl.transfer import announcement_path, clear_announcement
 from prime_rl.rundir import (
     MARKER,
     BadRow,
@@ -100,6 +101,9 @@ def rewind(run_dir: Path, step: int) -> list[str]:
     if dropped:
         rewrite_lines(metrics, kept)
         removed.append(f"{dropped} metrics rows of steps >= {step}")
+    if announcement_path(run_dir).exists():  # memory mode: a version of the stopped trainer's group
+        clear_announcement(run_dir)
+        removed.append(f"{weights_dir(run_dir).name}/{announcement_path(run_dir).name}")
     for path in trace_files(run_dir):
         if dropped := drop_trace_rows(path, step):
             removed.append(f"{dropped} trace rows of steps >= {step} in {path.name}")

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from prime_rl.config import ClientConfig, InferenceConfig, RLConfig, TeacherClientConfig, TeacherConfig, check_prompt_file
+from prime_rl.config import (
+    ClientConfig, InferenceConfig, RLConfig, TeacherClientConfig, TeacherConfig, WeightTransferConfig, check_prompt_file,
+)
 from prime_rl.settings import ConfigError
 
 
@@ -68,7 +70,7 @@ def teacher_system_prompt(teacher: TeacherConfig) -> str | None:
 def teacher_inference(config: RLConfig) -> InferenceConfig:
     """The local teacher's vLLM server: the run's inference settings (dtype, host, key, CPU
     binding) with the teacher's model, port, context and batch, and room for the top-k
-    logprobs the loss asks for; no LoRA, no tool parser."""
+    logprobs the loss asks for; no LoRA, no tool parser, no weight transfer (its weights never change)."""
     teacher = config.teacher
     assert teacher is not None and teacher.model is not None
     seq_len = teacher.seq_len
@@ -81,5 +83,5 @@ def teacher_inference(config: RLConfig) -> InferenceConfig:
         "model": teacher.model, "served_model_name": None, "port": teacher.port, "seq_len": seq_len,
         "max_logprobs": max(config.inference.max_logprobs, top_k),
         "max_num_seqs": teacher.max_num_seqs, "kv_cache_gb": teacher.kv_cache_gb, "max_lora_rank": None,
-        "lora_modules": {}, "tool_call_parser": None, "attach": None,
+        "lora_modules": {}, "tool_call_parser": None, "attach": None, "weight_transfer": WeightTransferConfig(),
     })
