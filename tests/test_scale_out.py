@@ -10,6 +10,7 @@ import sys
 import time
 
 import httpx
+import pytest
 
 from helpers import REPO, free_port, free_port_pair, new_tag, tagged_processes, trio_toml
 from prime_rl.launch.launcher import tail
@@ -143,3 +144,43 @@ def plain_transport(resolved: dict, port: int) -> dict:
     replayed by a plain PUSH socket (run_trainer_process)."""
     return {key: value for key, value in resolved.items() if not key.startswith("curve_")} | {"port": port}
 
+
+
+MEMORY_SCALE_OUT = """[deployment]
+inference_gpus = 2
+trainer_gpus = 2
+
+[orchestrator.client]
+verify_reload = true
+
+[weight_transfer]
+mode = "memory"
+
+[ckpt]
+interval = 0
+"""
+
+
+@pytest.mark.slow
+def test_two_ranks_update_two_replicas_in_memory(tmp_path, tiny_model):
+    """Memory mode across 2 FSDP2 ranks and 2 vLLM replicas: one group of the trainer's rank 0
+    and both workers; after every update both replicas serve the trainer's weights (the same
+    probe logprob, another one each update, mismatch KL below 1e-6 at `async_level = 0`), and
+    only the last version is written as a folder."""
+    run_dir, config = tmp_path / "memory", tmp_path / "memory.toml"
+    config.write_text(trio_toml(tiny_model, run_dir, max_steps=STEPS, async_level=0, extra=MEMORY_SCALE_OUT))
+    tag = new_tag()
+    out = run_cli(config, tag=tag)
+    assert "inference replica 1: vLLM on CPU" in out and "trainer: torchrun, 2 rank(s)" in out, out
+    rows = read_jsonl(metrics_path(run_dir))
+    trainer = [r for r in rows if r["process"] == "trainer" and "loss/policy" in r]
+    orchestrator = [r for r in rows if r["process"] == "orchestrator" and "reward/mean" in r]
+    assert [r["step"] for r in trainer] == list(range(STEPS)) and [r["weights/writers"] for r in trainer] == [1] * STEPS
+    assert all(r["loss/mismatch_kl"] < 1e-6 for r in trainer), [r["loss/mismatch_kl"] for r in trainer]
+    reloads = [r for r in orchestrator if "weights/reloaded_step" in r]
+    assert [r["weights/reloaded_step"] for r in reloads] == list(range(1, STEPS))
+    probes = [(r["weights/probe_logprob/0"], r["weights/probe_logprob/1"]) for r in reloads]
+    assert all(math.isclose(a, b, abs_tol=1e-3) for a, b in probes), probes
+    assert len({round(a, 4) for a, _ in probes}) == len(probes), f"each update changes what is served: {probes}"
+    assert sorted(p.name for p in (run_dir / "weights").iterdir()) == [f"step_{STEPS}"]
+    assert tagged_processes(tag) == []

@@ -155,6 +155,7 @@ def test_another_architecture_or_tokenizer_is_refused(tiny_model, tmp_path):
     ({}, {"api_key_set": True}, "requires an API key and this run has none"),
     ({"api_key_set": True}, {}, "runs without one: it cannot prove the key"),
     ({"dtype": "bfloat16"}, {}, "inference.dtype 'bfloat16' differs from the 'float32'"),
+    ({"weight_transfer": "memory"}, {}, 'weight_transfer.mode = "memory": the warm server at http://127.0.0.1:18000 was started without'),
 ])
 def test_each_mismatch_is_refused_in_one_line(tiny_model, need, state, expected):
     lines = warm.refusals(needs(tiny_model, **need), a_state(tiny_model, **state))
@@ -164,6 +165,7 @@ def test_each_mismatch_is_refused_in_one_line(tiny_model, need, state, expected)
 
 def test_a_server_with_the_tool_parser_a_run_without_tools_does_not_need_is_fine(tiny_model):
     assert warm.refusals(needs(tiny_model, seq_len=64), a_state(tiny_model, tool_call_parser="hermes", max_lora_rank=8)) == []
+    assert warm.refusals(needs(tiny_model), a_state(tiny_model, weight_transfer="memory")) == []  # folders still load
 
 
 # --------------------------------------------------------------------------- state files

@@ -102,6 +102,9 @@ class ServerState(BaseModel):
     max_lora_rank: int | None
     tool_call_parser: str | None
     api_key_set: bool
+    weight_transfer: str = "directory"
+    """`weight_transfer.mode` it was started with: `memory` runs the transfer engine (state files
+    written before it existed are of servers without it)."""
     config: list[str]
     """The config files the server was started from, resolved."""
     log: str
@@ -137,6 +140,7 @@ class RunNeeds:
     tool_call_parser: str | None
     tool_env: str | None
     api_key_set: bool
+    weight_transfer: str = "directory"
 
 
 # --------------------------------------------------------------------------- where, and the model's fingerprint
@@ -213,7 +217,8 @@ def server_states(config: RLConfig, replicas: list[Replica], config_files: list[
             model=inference.model, served_model_name=inference.served_model_name or inference.model,
             architecture=shape, tokenizer_sha256=tokenizer, dtype=inference.dtype, seq_len=inference.seq_len,
             max_lora_rank=inference.max_lora_rank, tool_call_parser=inference.tool_call_parser,
-            api_key_set=bool(inference.api_key), config=[str(Path(f).resolve()) for f in config_files],
+            api_key_set=bool(inference.api_key), weight_transfer=inference.weight_transfer.mode,
+            config=[str(Path(f).resolve()) for f in config_files],
             log=str(log_dir / f"{f'inference-{r.index}' if multi else 'inference'}.log"),
             key_file=str(key_file) if key_file is not None else None,
         )
@@ -398,6 +403,9 @@ def refusals(need: RunNeeds, state: ServerState) -> list[str]:
         lines.append(f"{what} the {need.tool_call_parser!r} parser, but {at} runs {state.tool_call_parser or 'no tool-call parser'}")
     if state.api_key_set and not need.api_key_set:
         lines.append(f"{at} requires an API key and this run has none (set inference.api_key)")
+    if need.weight_transfer == "memory" and state.weight_transfer != "memory":
+        lines.append(f'weight_transfer.mode = "memory": {at} was started without the transfer engine; '
+                     "start it with the same [weight_transfer] (a folder-mode run may use a memory-mode server)")
     if need.api_key_set and not state.api_key_set:
         lines.append(f"this run has an inference.api_key, but {at} runs without one: it cannot prove the key, so it is not sent there")
     return lines
@@ -414,7 +422,7 @@ def run_needs(config: RLConfig, key: str | None) -> RunNeeds:
         model=config.trainer.model.name, architecture=architecture(folder), tokenizer_sha256=tokenizer_digest(folder),
         dtype=config.inference.dtype, seq_len=config.inference.seq_len, lora=config.trainer.lora is not None,
         tool_call_parser=config.orchestrator.tool_call_parser, tool_env=tool_envs[0] if tool_envs else None,
-        api_key_set=bool(key),
+        api_key_set=bool(key), weight_transfer=config.trainer.weight_transfer.mode,
     )
 
 
