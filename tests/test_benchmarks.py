@@ -416,3 +416,16 @@ def test_the_soak_figures_read_each_roles_milestones_and_its_late_slope():
     assert got["trainer"]["rss_noise_mb"] == pytest.approx(0.0, abs=1e-6)  # on its line
     assert got["orchestrator"]["rss_slope_mb_per_100_steps"] == pytest.approx(0.0, abs=1e-9)
     assert got["orchestrator"]["rss_slope_share"] == pytest.approx(0.0, abs=1e-9)
+
+
+def test_the_weights_section_gives_medians_ranges_and_the_ratio_of_medians():
+    from benchmarks import weights
+
+    rows = {"tiny": {"directory": [{"trainer_s": 0.01, "load_s": 0.03, "total_s": 0.04}, {"trainer_s": 0.02, "load_s": 0.05, "total_s": 0.07}],
+                     "memory": [{"trainer_s": 0.001, "load_s": 0.05, "total_s": 0.051}, {"trainer_s": 0.003, "load_s": 0.06, "total_s": 0.063}]}}
+    line = weights.sizes_lines(rows)[-1]
+    # totals: directory median 55 ms, memory 57 ms -> 57 / 55 = 1.04
+    assert line == "| tiny | memory | 2 [1, 3] | 55 [50, 60] | 57 [51, 63] | 1.04 |", line
+    runs = {"quickstart": {"memory": [{"handoff_share": 0.1, "mean_s_per_step": 1.0, "trainer/save_weights_s": 0.008,
+                                       "orchestrator/reload_s": None}]}}
+    assert weights.handoff_lines(runs)[-1] == "| quickstart | memory | 10 [10, 10] % | 1 [1, 1] | 8 [8, 8] | - |"
