@@ -1,13 +1,15 @@
 """The trio with `weight_transfer.mode = "memory"`: every policy version but a checkpoint's and
 the last travels from the trainer's memory into the running vLLM (its native weight-transfer
-routes, this project's engine on gloo), the trainer is SIGKILLed after a checkpoint, and
-`--resume` continues in a new transfer group."""
+routes, this project's engine on gloo), the trainer (or, slow-marked, vLLM) is SIGKILLed after
+a checkpoint, the launcher names it, and `--resume` continues in a new transfer group."""
 
 from __future__ import annotations
 
 import glob
 import os
 import tempfile
+
+import pytest
 
 from helpers import kill_mid_run, resume, trio_toml
 from prime_rl.rundir import complete_steps, log_path, metrics_path, read_jsonl, weights_dir
@@ -16,7 +18,11 @@ from prime_rl.transfer import announcement_path
 MAX_STEPS, INTERVAL = 8, 4
 
 
-def test_memory_mode_trains_on_exact_weights_and_resumes_after_the_trainer_is_killed(tmp_path, tiny_model):
+@pytest.mark.parametrize(("victim", "marker"), [
+    ("trainer", "trainer.rl"),
+    pytest.param("inference", "inference.vllm_cpu", marks=pytest.mark.slow),  # the other end of the group
+])
+def test_memory_mode_trains_on_exact_weights_and_resumes_after_a_process_is_killed(tmp_path, tiny_model, victim, marker):
     run_dir, config = tmp_path / "run", tmp_path / "run.toml"
     # async_level 0: each step samples with the very weights the trainer trains next, so any
     # difference between what vLLM received and what the trainer holds shows as mismatch KL
@@ -28,8 +34,8 @@ mode = "memory"
 interval = {INTERVAL}
 """))
     stores_before = set(glob.glob(os.path.join(tempfile.gettempdir(), "prime-rl-trainer-*")))
-    out, code, stopped_s = kill_mid_run(run_dir, config, "trainer.rl", after_checkpoint=INTERVAL)
-    assert code != 0 and "trainer failed: it was killed by SIGKILL" in out, out
+    out, code, stopped_s = kill_mid_run(run_dir, config, marker, after_checkpoint=INTERVAL)
+    assert code != 0 and f"{victim} failed: it was killed by SIGKILL" in out, out
     assert stopped_s < 30, f"the launcher took {stopped_s:.1f} s to stop the others"
 
     resumed_from, _ = resume(run_dir, config, "--resume")
