@@ -21,6 +21,7 @@ import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
 from prime_rl import transfer
+from prime_rl.settings import one_line
 
 BACKEND = "prime_rl"  # prime_rl.vllm_command.WEIGHT_TRANSFER_BACKEND
 
@@ -73,7 +74,7 @@ class PrimeRLWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         except RuntimeError as e:
             raise transfer.TransferError(
                 f"worker rank {self.rank}: the trainer's transfer group did not form within {init_info.timeout_s:g} s "
-                f"({init_info.store}): {transfer.first_line(e)}"
+                f"({init_info.store}): {one_line(e)}"
             ) from e
         self.params = transfer.get_meta(self.store)
         self.plan = transfer.chunk_plan(self.params)

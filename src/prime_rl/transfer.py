@@ -30,11 +30,12 @@ import datetime
 import json
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from prime_rl.rundir import weights_dir, write_json_atomic
+from prime_rl.settings import one_line
 
 if TYPE_CHECKING:
     import torch
@@ -67,8 +68,7 @@ class Announcement:
 
 def announce(run_dir: Path, announcement: Announcement) -> None:
     announcement_path(run_dir).parent.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(announcement_path(run_dir), {"version": announcement.version, "store": announcement.store,
-                                                   "workers": announcement.workers})
+    write_json_atomic(announcement_path(run_dir), asdict(announcement))
 
 
 def read_announcement(run_dir: Path) -> Announcement | None:
@@ -153,16 +153,11 @@ def broadcast(group, tensor: torch.Tensor, timeout_s: float, stage: str) -> None
     try:
         group.broadcast(tensor, 0, datetime.timedelta(seconds=timeout_s)).wait()
     except RuntimeError as e:
-        raise TransferError(f"weight transfer failed {stage}: {first_line(e)}") from e
+        raise TransferError(f"weight transfer failed {stage}: {one_line(e)}") from e
 
 
 class TransferError(RuntimeError):
     pass
-
-
-def first_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return text[0] if text else type(error).__name__
 
 
 def private_store_path() -> str:
@@ -170,6 +165,4 @@ def private_store_path() -> str:
     private one in memory mode, which it removes at the end)."""
     import tempfile
 
-    folder = tempfile.mkdtemp(prefix="prime-rl-weights-")
-    os.chmod(folder, 0o700)
-    return os.path.join(folder, STORE_FILE)
+    return os.path.join(tempfile.mkdtemp(prefix="prime-rl-weights-"), STORE_FILE)  # mkdtemp: mode 0700

@@ -156,9 +156,14 @@ def checkpoint(model: nn.Module, optimizer, scheduler, cfg: TrainerConfig, step:
         prune_weights(cfg.output_dir, cfg.weights.keep_last)
 
 
+def in_memory(cfg: TrainerConfig) -> bool:
+    """Versions go to vLLM from memory (LoRA adapters always go as folders)."""
+    return cfg.weight_transfer.mode == "memory" and cfg.lora is None
+
+
 def weight_sender(cfg: TrainerConfig, world: World) -> WeightSender | None:
-    """Memory mode's sender, on rank 0 (LoRA adapters always go as folders)."""
-    if cfg.weight_transfer.mode != "memory" or cfg.lora is not None or not world.is_main:
+    """Memory mode's sender, on rank 0."""
+    if not (in_memory(cfg) and world.is_main):
         return None
     return WeightSender(cfg.output_dir, cfg.weight_transfer.workers, cfg.weight_transfer.timeout_s)
 
@@ -170,8 +175,7 @@ def publish_weights(model: nn.Module, cfg: TrainerConfig, version: int, world: W
     offered it, summed over ranks. Logged as ``weights/writers``, it must be 1: every rank
     gathers, exactly one writes (a second writer would race on the same folder and its marker)."""
     dtype = DTYPES[cfg.model.dtype]
-    in_memory = cfg.weight_transfer.mode == "memory" and cfg.lora is None
-    if in_memory and version != cfg.max_steps and not checkpoint_due(version, cfg.ckpt.interval, cfg.max_steps):
+    if in_memory(cfg) and version != cfg.max_steps and not checkpoint_due(version, cfg.ckpt.interval, cfg.max_steps):
         state = full_state_dict(model, dtype)  # collective; only rank 0 gets tensors
         if sender is not None:
             sender.offer(version, dedupe_tied(model, state))

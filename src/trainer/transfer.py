@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from prime_rl import transfer
+from prime_rl.settings import one_line
 
 
 class WeightSender:
@@ -84,7 +85,7 @@ class WeightSender:
             try:
                 group = transfer.join_group(self.store, 0, self.workers + 1, self.timeout_s)
             except RuntimeError as e:
-                raise transfer.TransferError(f"weight transfer: the group did not form: {transfer.first_line(e)}") from e
+                raise transfer.TransferError(f"weight transfer: the group did not form: {one_line(e)}") from e
             while not self.stopping.is_set():
                 version = self._asked()
                 if version is None:
@@ -92,7 +93,7 @@ class WeightSender:
                     continue
                 self._send(group, version)
         except BaseException as e:  # noqa: BLE001 - raised in the training loop
-            self.error = e if isinstance(e, transfer.TransferError) else transfer.TransferError(f"weight transfer: {transfer.first_line(e)}")
+            self.error = e if isinstance(e, transfer.TransferError) else transfer.TransferError(f"weight transfer: {one_line(e)}")
 
     def _asked(self) -> int | None:
         """The newest held version every worker asked for."""

@@ -121,8 +121,9 @@ class VllmAdmin:
 
     async def reload_weights(self, weights: Path | str | Announcement, version: int | None = None, *, keep: bool = False) -> None:
         """Load a weights folder (``FullWeights`` / ``LoraAdapter``), or a version announced in
-        memory mode (``MemoryWeights``), into every replica, in place and concurrently. Returns once every replica is done; any replica's error is raised,
-        naming it (the others still finish their reload first).
+        memory mode (``MemoryWeights``), into every replica, in place and concurrently. Returns
+        once every replica is done; any replica's error is raised, naming it (the others still
+        finish their reload first).
 
         ``version`` is the policy version the folder holds (requests from now on carry it).
         ``keep`` is the in-flight update: requests in flight stay in the engine, frozen by
