@@ -53,8 +53,10 @@ def test_memory_mode_gives_every_process_the_transfer_group_and_its_server_the_e
     cfg = with_teacher(inference={"tensor_parallel_size": 1}, weight_transfer={"mode": "memory"})
     assert cfg.trainer.weight_transfer.workers == cfg.orchestrator.weight_transfer.workers == 2
     placement = plan_single_node(cfg, gpus_available=6)
-    engine = '{"backend": "prime_rl"}'
-    assert flag(vllm_command(replica_inference(cfg, placement.replicas[1]), cpu=False), "--weight-transfer-config") == engine
+    # on GPUs the NCCL engine, on CPU the gloo one (the same protocol; inference.weight_transfer)
+    replica = replica_inference(cfg, placement.replicas[1])
+    assert flag(vllm_command(replica, cpu=False), "--weight-transfer-config") == '{"backend": "prime_rl_nccl"}'
+    assert flag(vllm_command(replica, cpu=True), "--weight-transfer-config") == '{"backend": "prime_rl"}'
     assert "--weight-transfer-config" not in vllm_command(teacher_server(cfg, placement.teacher), cpu=False)
     one_rank = config(weight_transfer={"mode": "memory"})
     specs = {s.name: s for s in specs_of(one_rank, tmp_path, plan_single_node(one_rank, gpus_available=0))}

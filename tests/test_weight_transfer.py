@@ -34,8 +34,8 @@ def test_the_announcement_round_trips_and_a_torn_one_reads_as_none(tmp_path):
     assert transfer.read_announcement(tmp_path) is None
     transfer.announce(tmp_path, transfer.Announcement(3, "/x/store", 2))
     announced = transfer.read_announcement(tmp_path)
-    assert announced == transfer.Announcement(3, "/x/store", 2)
-    assert announced.init_info(1, 1, 5.0) == {"store": "/x/store", "world_size": 3, "rank_offset": 2, "timeout_s": 5.0}
+    assert announced == transfer.Announcement(3, "/x/store", 2, "gloo")
+    assert announced.init_info(1, 1, 5.0) == {"store": "/x/store", "world_size": 3, "rank_offset": 2, "timeout_s": 5.0, "backend": "gloo"}
     transfer.announcement_path(tmp_path).write_text('{"version": 4, "sto')
     assert transfer.read_announcement(tmp_path) is None
     transfer.clear_announcement(tmp_path)
@@ -54,17 +54,28 @@ def states(versions):
     return {v: {name: (t + v).contiguous() for name, t in base.items()} for v in versions}
 
 
+def engine_class(backend: str):
+    """The class vLLM's factory builds for the engine name of ``backend`` (registered as the
+    vLLM plugin registers them)."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    from inference.weight_transfer import register
+
+    register()
+    register()  # vLLM may call a plugin more than once
+    return WeightTransferEngineFactory._registry[transfer.ENGINES[backend]]()
+
+
 class Receiver:
     """vLLM's side: the real engine, its model a double that records each loaded tensor."""
 
-    def __init__(self, announced: transfer.Announcement, replica: int = 0):
-        from inference.weight_transfer import PrimeRLWeightTransferEngine
-
+    def __init__(self, announced: transfer.Announcement, replica: int = 0, device: str = "cpu"):
         self.loaded: dict[str, torch.Tensor] = {}
-        model = types.SimpleNamespace(load_weights=lambda pairs: self.loaded.update((n, t.clone()) for n, t in pairs))
+        model = types.SimpleNamespace(load_weights=lambda pairs: self.loaded.update((n, t.cpu()) for n, t in pairs))
         parallel = types.SimpleNamespace(data_parallel_index=0, world_size=1, rank=0)
         vllm_config = types.SimpleNamespace(parallel_config=parallel, model_config=None)
-        self.engine = PrimeRLWeightTransferEngine(None, vllm_config, torch.device("cpu"), model)
+        backend = transfer.group_backend(cuda=device != "cpu")
+        self.engine = engine_class(backend)(None, vllm_config, torch.device(device), model)
         self.engine.init_transfer_engine(self.engine.parse_init_info(announced.init_info(replica, 1, TIMEOUT_S)))
 
     def receive(self, version: int) -> dict[str, torch.Tensor]:
@@ -73,13 +84,24 @@ class Receiver:
         return self.loaded
 
 
-def test_each_version_arrives_exactly_and_the_newest_asked_wins(tmp_path):
+NCCL = pytest.param(
+    "nccl", marks=pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs a GPU for each of two ranks (not on this machine)")
+)
+
+
+@pytest.mark.parametrize("backend", ["gloo", NCCL])
+def test_each_version_arrives_exactly_and_the_newest_asked_wins(tmp_path, backend):
+    """gloo on CPU; with two GPUs the same run over NCCL (trainer on GPU 0, worker on GPU 1)."""
     (tmp_path / "weights").mkdir()
     sent = states([1, 2, 3])
-    sender = WeightSender(tmp_path, workers=1, timeout_s=TIMEOUT_S)
+    trainer, worker = ("cuda:0", "cuda:1") if backend == "nccl" else ("cpu", "cpu")
+    if backend == "nccl":
+        torch.cuda.set_device(worker)  # as vLLM sets its worker's device
+    sender = WeightSender(tmp_path, workers=1, timeout_s=TIMEOUT_S, device=torch.device(trainer))
     try:
         sender.offer(1, sent[1])
-        receiver = Receiver(transfer.read_announcement(tmp_path))
+        assert transfer.read_announcement(tmp_path).backend == backend
+        receiver = Receiver(transfer.read_announcement(tmp_path), device=worker)
         got = receiver.receive(1)
         assert got.keys() == sent[1].keys()
         assert all(torch.equal(got[n], sent[1][n]) and got[n].dtype == sent[1][n].dtype for n in got)
@@ -95,6 +117,19 @@ def test_each_version_arrives_exactly_and_the_newest_asked_wins(tmp_path):
     finally:
         sender.close()
     assert not transfer.announcement_path(tmp_path).exists()
+
+
+@pytest.mark.parametrize("engine", ["gloo", "nccl"])
+def test_an_engine_refuses_a_group_of_the_other_backend_in_one_line(tmp_path, engine):
+    """A trainer on CPU with vLLM on GPUs (or the reverse) cannot share a group: the worker
+    says so before it joins, and nothing waits."""
+    other = {"gloo": "nccl", "nccl": "gloo"}[engine]
+    announced = transfer.Announcement(1, str(tmp_path / "store"), 1, other)
+    start = time.monotonic()
+    with pytest.raises(transfer.TransferError, match=rf"the trainer's group is {other}, this server's engine \({transfer.ENGINES[engine]}\) joins {engine} groups") as e:
+        Receiver(announced, device="cpu" if engine == "gloo" else "cuda:0")
+    assert "\n" not in str(e.value) and time.monotonic() - start < 5
+    assert not (tmp_path / "store").exists()
 
 
 def test_a_version_is_sent_as_it_was_offered_though_the_trainer_trained_on(tmp_path):

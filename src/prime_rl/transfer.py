@@ -4,7 +4,8 @@ receives inside vLLM through its native weight-transfer routes; the orchestrator
 routes and reads only the announcement).
 
 One transfer group per trainer start: the trainer (rank 0) and every vLLM worker of every
-replica (ranks 1..W), over ``torch.distributed`` (gloo on CPU), rendezvousing through a
+replica (ranks 1..W), over ``torch.distributed`` (gloo on CPU, NCCL on CUDA: the same
+protocol, under the vLLM engine names in ``ENGINES``), rendezvousing through a
 ``FileStore`` in the trainer's private temporary directory (0700: only this user's processes
 reach it; the group's own sockets bind to 127.0.0.1). The protocol, in order:
 
@@ -47,6 +48,14 @@ CHUNK_BYTES = 64 << 20
 pipelined (one travelling while the next is copied or the last loaded), were no faster on
 this machine's two cores (docs/scaling.md, "Weights in memory")."""
 POLL_S = 0.002
+ENGINES = {"gloo": "prime_rl", "nccl": "prime_rl_nccl"}
+"""The vLLM engine (``inference.weight_transfer``) of each group backend: gloo where vLLM runs
+on CPU, NCCL where it runs on GPUs. The trainer's backend follows its device; the announcement
+says which, and an engine of the other refuses to join."""
+
+
+def group_backend(cuda: bool) -> str:
+    return "nccl" if cuda else "gloo"
 
 
 def announcement_path(run_dir: Path) -> Path:
@@ -59,11 +68,13 @@ class Announcement:
     store: str
     """The FileStore of the trainer start that announced it: a new start, a new group."""
     workers: int
+    backend: str = "gloo"
+    """The group's: ``gloo`` or ``nccl`` (``ENGINES``)."""
 
     def init_info(self, replica: int, workers_per_replica: int, timeout_s: float) -> dict:
         """What ``/init_weight_transfer_engine`` gets for replica ``replica``'s workers."""
         return {"store": self.store, "world_size": 1 + self.workers, "rank_offset": 1 + replica * workers_per_replica,
-                "timeout_s": timeout_s}
+                "timeout_s": timeout_s, "backend": self.backend}
 
 
 def announce(run_dir: Path, announcement: Announcement) -> None:
@@ -75,7 +86,7 @@ def read_announcement(run_dir: Path) -> Announcement | None:
     """The newest announced version, or None (none yet, or a file being replaced)."""
     try:
         data = json.loads(announcement_path(run_dir).read_text())
-        return Announcement(int(data["version"]), str(data["store"]), int(data["workers"]))
+        return Announcement(int(data["version"]), str(data["store"]), int(data["workers"]), str(data.get("backend", "gloo")))
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -102,17 +113,24 @@ def open_store(path: str, timeout_s: float):
     return store
 
 
-def join_group(store, rank: int, world_size: int, timeout_s: float):
+def join_group(store, rank: int, world_size: int, timeout_s: float, backend: str = "gloo"):
     """This process's place in the transfer group (blocks until all ``world_size`` joined, at
-    most ``timeout_s``); its sockets bind to 127.0.0.1."""
+    most ``timeout_s``). gloo's sockets bind to 127.0.0.1; NCCL's communicator forms at the
+    first broadcast, on the CUDA device current in the calling thread, and its operations time
+    out through torch's NCCL watchdog (which ends the process: loud, never a hang)."""
     import torch.distributed as dist
 
+    if rank > 0:
+        store.set(f"joined/{rank}", "1")  # the trainer joins once every worker has begun to
+    prefixed = dist.PrefixStore("group", store)
+    if backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = datetime.timedelta(seconds=timeout_s)
+        return dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
     options = dist.ProcessGroupGloo._Options()
     options._timeout = datetime.timedelta(seconds=timeout_s)
     options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
-    if rank > 0:
-        store.set(f"joined/{rank}", "1")  # the trainer joins once every worker has begun to
-    return dist.ProcessGroupGloo(dist.PrefixStore("group", store), rank, world_size, options)
+    return dist.ProcessGroupGloo(prefixed, rank, world_size, options)
 
 
 def put_meta(store, params: list[tuple[str, str, list[int]]]) -> None:
@@ -141,11 +159,13 @@ def chunk_plan(params: list[tuple[str, str, list[int]]], limit: int = CHUNK_BYTE
     return chunks
 
 
-def chunk_buffers(params: list[tuple[str, str, list[int]]], plan: list[list[int]]) -> list[torch.Tensor]:
-    """One flat host buffer per chunk of ``plan``, reused by every version."""
+def chunk_buffers(params: list[tuple[str, str, list[int]]], plan: list[list[int]], device="cpu", pin: bool = False) -> list[torch.Tensor]:
+    """One flat buffer per chunk of ``plan`` on ``device`` (``pin``: page-locked host memory,
+    for copies to a GPU that do not wait on the host), reused by every version."""
     import torch
 
-    return [torch.empty(sum(math.prod(params[i][2]) for i in chunk), dtype=getattr(torch, params[chunk[0]][1])) for chunk in plan]
+    return [torch.empty(sum(math.prod(params[i][2]) for i in chunk), dtype=getattr(torch, params[chunk[0]][1]), device=device,
+                        pin_memory=pin) for chunk in plan]
 
 
 def broadcast(group, tensor: torch.Tensor, timeout_s: float, stage: str) -> None:

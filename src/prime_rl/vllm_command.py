@@ -24,13 +24,12 @@ from collections.abc import Mapping
 
 from prime_rl.config import InferenceConfig
 from prime_rl.keys import API_KEY_ENV, redact
+from prime_rl.transfer import ENGINES, group_backend
 
 CPU_FORK_SERVER = "inference.vllm_cpu"
 """The module that runs vLLM's server with its engine processes forked (`inference.cpu_fork`)."""
 
 AUTH_MIDDLEWARE = "inference.auth.RequireApiKey"
-WEIGHT_TRANSFER_BACKEND = "prime_rl"
-"""The weight-transfer engine `inference.weight_transfer` registers with vLLM (its plugin entry point in pyproject.toml)."""
 """vLLM `--middleware` that requires the key on every route (vLLM's `--api-key` guards /v1 only)."""
 
 TMP_DIR_ENV = "TMPDIR"
@@ -93,8 +92,10 @@ def vllm_command(cfg: InferenceConfig, cpu: bool) -> list[str]:
         # runs it on the token ids the orchestrator sampled through /v1/completions
         cmd += ["--enable-auto-tool-choice", "--tool-call-parser", cfg.tool_call_parser, "--enable-scale-out"]
     if cfg.weight_transfer.mode == "memory":
-        # the engine registered by this project's vLLM plugin (inference.weight_transfer)
-        cmd += ["--weight-transfer-config", json.dumps({"backend": WEIGHT_TRANSFER_BACKEND})]
+        # an engine registered by this project's vLLM plugin (inference.weight_transfer, its
+        # entry point in pyproject.toml): gloo on CPU, NCCL on GPUs
+        engine = ENGINES[group_backend(cuda=not cpu)]
+        cmd += ["--weight-transfer-config", json.dumps({"backend": engine})]
     if not cpu:
         cmd += ["--gpu-memory-utilization", str(cfg.gpu_memory_utilization)]
         # Always, 1 included: the placement gave this replica exactly that many GPUs

@@ -165,7 +165,7 @@ def weight_sender(cfg: TrainerConfig, world: World) -> WeightSender | None:
     """Memory mode's sender, on rank 0."""
     if not (in_memory(cfg) and world.is_main):
         return None
-    return WeightSender(cfg.output_dir, cfg.weight_transfer.workers, cfg.weight_transfer.timeout_s)
+    return WeightSender(cfg.output_dir, cfg.weight_transfer.workers, cfg.weight_transfer.timeout_s, world.device)
 
 
 def publish_weights(model: nn.Module, cfg: TrainerConfig, version: int, world: World, sender: WeightSender | None) -> int:

@@ -12,6 +12,10 @@ the weights are held here at once.
 
 An error of the thread (a worker gone mid-transfer, a group that did not form) is raised in
 the training loop at the next ``offer`` or ``check``: one line, naming the stage.
+
+On a GPU the group is NCCL's (``transfer.ENGINES``): the held copies stay in page-locked host
+memory (async_level + 2 copies of a model do not fit beside it on the GPU), and each chunk is
+copied to the GPU as it goes.
 """
 
 from __future__ import annotations
@@ -28,8 +32,10 @@ from prime_rl.settings import one_line
 
 
 class WeightSender:
-    def __init__(self, run_dir: Path, workers: int, timeout_s: float):
+    def __init__(self, run_dir: Path, workers: int, timeout_s: float, device: torch.device = torch.device("cpu")):
         self.run_dir, self.workers, self.timeout_s = Path(run_dir), workers, timeout_s
+        self.backend = transfer.group_backend(cuda=device.type == "cuda")
+        self.wire_device = device if self.backend == "nccl" else torch.device("cpu")
         self.store_path = transfer.private_store_path()
         self.store = transfer.open_store(self.store_path, timeout_s)
         transfer.clear_announcement(self.run_dir)
@@ -55,13 +61,13 @@ class WeightSender:
         elif params != self.params:
             raise transfer.TransferError(f"weights version {version} holds other parameters than version 1's")
         with self.lock:
-            chunks = self.free.pop() if self.free else transfer.chunk_buffers(self.params, self.plan)
+            chunks = self.free.pop() if self.free else transfer.chunk_buffers(self.params, self.plan, pin=self.backend == "nccl")
         tensors = list(state.values())
         for chunk, flat in zip(self.plan, chunks):
             torch.cat([tensors[i].reshape(-1) for i in chunk], out=flat)
         with self.lock:
             self.held[version] = chunks
-        transfer.announce(self.run_dir, transfer.Announcement(version, self.store_path, self.workers))
+        transfer.announce(self.run_dir, transfer.Announcement(version, self.store_path, self.workers, self.backend))
 
     def check(self) -> None:
         if self.error is not None:
@@ -78,12 +84,14 @@ class WeightSender:
 
     def _serve(self) -> None:
         try:
+            if self.backend == "nccl":
+                torch.cuda.set_device(self.wire_device)  # NCCL's communicator forms on this thread's device
             joined = [f"joined/{rank}" for rank in range(1, self.workers + 1)]
             while not self.store.check(joined):  # the orchestrator starts the workers' join
                 if self.stopping.wait(transfer.POLL_S):
                     return
             try:
-                group = transfer.join_group(self.store, 0, self.workers + 1, self.timeout_s)
+                group = transfer.join_group(self.store, 0, self.workers + 1, self.timeout_s, self.backend)
             except RuntimeError as e:
                 raise transfer.TransferError(f"weight transfer: the group did not form: {one_line(e)}") from e
             while not self.stopping.is_set():
@@ -107,9 +115,13 @@ class WeightSender:
     def _send(self, group, version: int) -> None:
         with self.lock:
             chunks = self.held[version]
-        transfer.broadcast(group, torch.tensor([version], dtype=torch.int64), self.timeout_s, f"starting to send version {version}")
-        for flat in chunks:
-            transfer.broadcast(group, flat, self.timeout_s, f"sending version {version} to the vLLM workers")
+        header = torch.tensor([version], dtype=torch.int64, device=self.wire_device)
+        transfer.broadcast(group, header, self.timeout_s, f"starting to send version {version}")
+        for flat in chunks:  # .to: the same tensor on CPU, a copy to the GPU over NCCL
+            wire = flat.to(self.wire_device, non_blocking=True)
+            transfer.broadcast(group, wire, self.timeout_s, f"sending version {version} to the vLLM workers")
+        if self.backend == "nccl":
+            torch.cuda.synchronize(self.wire_device)  # the copies are done with the host chunks before they are reused
         with self.lock:
             self.free += [c for v, c in self.held.items() if v <= version]
             self.held = {v: c for v, c in self.held.items() if v > version}
