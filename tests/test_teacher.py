@@ -43,6 +43,10 @@ def rl(**sections) -> RLConfig:
         ({**distill(), "teacher": {"model": "t", "endpoint": "e"}}, "set exactly one of `model`"),
         ({**distill(), "teacher": {"model": "t", "system_prompt": "a", "system_prompt_file": "f"}}, "not both"),
         ({"trainer": {"loss": {"distill": {"kl_weight": 0}}}, "teacher": {"model": "t"}}, "nothing would be learned"),
+        ({**distill(), "teacher": {"endpoint": "e", "placement": "trainer"}}, r'placement = "trainer" loads `model` in the trainer'),
+        ({**distill(), "teacher": {"model": "t", "placement": "trainer", "system_prompt": "a"}},
+         r"context distillation \(`system_prompt`\) needs the teacher's rendering of each prompt"),
+        ({**distill(), "teacher": {"model": "t", "placement": "gpu"}}, r"placement\n.*'server' or 'trainer'"),
     ],
 )
 def test_a_teacher_and_the_distillation_loss_come_together(data, message):
@@ -65,6 +69,23 @@ def test_a_local_teacher_is_served_on_its_own_port_and_gpus(tmp_path):
     assert ("127.0.0.1", 8123) in {(b.host, b.port) for b in rl_bindings(cfg, placement)}
     with pytest.raises(PlacementError, match=r"needs 4 GPUs \(inference_gpus 2 \+ trainer_gpus 1 \+ teacher_gpus 1\)"):
         plan_single_node(cfg, gpus_available=3)
+
+
+def test_a_teacher_placed_in_the_trainer_starts_no_server_and_sends_nothing_on_the_wire(tmp_path):
+    """`placement = "trainer"`: the trainer gets the teacher's folder, the orchestrator no
+    teacher to ask, the launcher no server to start, and no GPUs go to one; a trainer config
+    with a teacher and no distillation loss is refused."""
+    cfg = resolve(rl(teacher={"model": "teacher-model", "placement": "trainer"}, deployment={"inference_gpus": 2, "trainer_gpus": 1}))
+    assert cfg.trainer.teacher_model == "teacher-model" and cfg.orchestrator.teacher is None
+    placement = plan_single_node(cfg, gpus_available=3)
+    assert placement.teacher is None
+    assert "teacher" not in {s.name for s in process_specs(placed(cfg, placement), tmp_path, placement)}
+    served = resolve(rl(teacher={"model": "teacher-model"}))
+    assert served.trainer.teacher_model is None and served.orchestrator.teacher.model == "teacher-model"
+    from prime_rl.config import TrainerConfig
+
+    with pytest.raises(ValidationError, match="teacher_model is set but loss.distill is not"):
+        TrainerConfig(teacher_model="t")
 
 
 def test_top_k_reaches_the_orchestrator_the_teachers_server_and_the_frame_cap(tmp_path):

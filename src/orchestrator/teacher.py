@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
-from prime_rl.chat import PROBE_CHAT
+from prime_rl.chat import probe_text
 from prime_rl.config import TeacherClientConfig
 from prime_rl.envs import Rollout, Turn
 
@@ -36,9 +36,6 @@ PROMPTS_PER_REQUEST = 64
 """Samples scored per request (vLLM's completions API takes a list of token-id prompts). On
 the quickstart (256 samples of ~40 tokens a step, `benchmarks/distill.py --quick`) the
 teacher took 4.1 s a step with one request a sample, 1.65 s with 16 a request, 1.35 s with 64."""
-
-PROBE_TEXT = " 0123 héllo wörld ✓ \t\n"
-"""Text whose tokenization tells tokenizers apart, beside the chat template's own tokens."""
 
 
 class TeacherError(RuntimeError):
@@ -176,14 +173,6 @@ def prepare(rollout: Rollout, turns: list[Turn], seq_len: int) -> ToScore:
     ids, mask, student = (a[:seq_len] for a in rollout_tokens(rollout, turns))
     sequence, offset = teacher_sequence(turns, ids)
     return ToScore(sequence, offset, mask.astype(bool), student)
-
-
-def probe_text(tokenizer) -> str:
-    """The chat template's rendering of a probe chat (its special tokens), then ``PROBE_TEXT``."""
-    try:
-        return tokenizer.apply_chat_template(PROBE_CHAT, tokenize=False) + PROBE_TEXT
-    except ValueError:  # no chat template
-        return PROBE_TEXT
 
 
 def teacher_sequence(turns: list[Turn], ids: np.ndarray) -> tuple[list[int], int]:

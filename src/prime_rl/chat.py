@@ -35,6 +35,19 @@ PROBE_CHAT: Messages = [
     {"role": "assistant", "content": "Third answer."},
 ]
 
+PROBE_TEXT = " 0123 héllo wörld ✓ \t\n"
+"""Text whose tokenization tells tokenizers apart, beside the chat template's own tokens."""
+
+
+def probe_text(tokenizer) -> str:
+    """The chat template's rendering of ``PROBE_CHAT`` (its special tokens), then ``PROBE_TEXT``:
+    two tokenizers that encode it alike score the same token ids alike (a distillation
+    teacher must use the student's tokenizer)."""
+    try:
+        return tokenizer.apply_chat_template(PROBE_CHAT, tokenize=False) + PROBE_TEXT
+    except ValueError:  # no chat template
+        return PROBE_TEXT
+
 
 class TemplateError(ValueError):
     """The chat template cannot give what training needs; the message says why and the fix."""

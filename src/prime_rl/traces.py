@@ -19,7 +19,8 @@ A trainer row: ``id``, ``part`` (a rollout the environment re-rendered, or any m
 rollout with ``multi_turn = "per_turn"``, trains as several samples), ``step``, ``rank`` and,
 per token the sample trained on (its completion tokens in order, cut at ``seq_len``):
 ``logprobs`` (the trainer's, at the sampling temperature: the mismatch is the rollout row's
-``logprobs`` minus these), ``entropy`` and ``masked`` (1 where the importance band dropped it).
+``logprobs`` minus these), ``entropy``, ``masked`` (1 where the importance band dropped it)
+and, in a distillation run, ``teacher_logprobs`` (the teacher's, raw: temperature 1).
 
 Both files are append-only, each step's rows one write (``rundir.append_lines``). A reader
 skips what is not a row (a torn last line after a crash, damage), counts it, and never fails

@@ -54,6 +54,10 @@ class HeadQuery:
     top_logprobs: torch.Tensor | None = None
     """[N, K] float32: the teacher's logprobs of ``top_ids``."""
 
+    top_k: int = 0
+    """Also return this model's own K most likely tokens at each position (the in-trainer
+    teacher's top-k, ``trainer.teacher``; no gradient)."""
+
 
 class TokenHead(nn.Module):
     """The output layer with the weight of the linear layer it replaces ([V, H], no bias)."""
@@ -66,7 +70,8 @@ class TokenHead(nn.Module):
     def forward(self, hidden: torch.Tensor, query: HeadQuery | None = None):
         """hidden [R, L, H] -> logits [R, L, V] without a query, else the query's scores:
         ``{"logprobs": [N] float32 (with gradient), "entropy": [N] float32 (none),
-        "top_k_kl": [N] float32 (with gradient; only with ``query.top_ids``)}``."""
+        "top_k_kl": [N] float32 (with gradient; only with ``query.top_ids``),
+        "top_ids": [N, K] int64 and "top_logprobs": [N, K] float32 (only with ``query.top_k``)}``."""
         if query is None:
             return self.capped(F.linear(hidden, self.weight))
         return score_tokens(hidden.flatten(0, -2)[query.positions], self.weight, query, self.capped)
@@ -87,21 +92,29 @@ def score_tokens(hidden: torch.Tensor, weight: torch.Tensor, query: HeadQuery, c
     for start in range(0, max(n, 1), chunk):  # one (empty) chunk when N = 0: outputs keep their shapes
         rows = slice(start, start + chunk)
         top = (query.top_ids[rows], query.top_logprobs[rows]) if query.top_ids is not None else (None, None)
-        args = (hidden[rows], weight, query.targets[rows], query.temperature, cap, *top)
+        args = (hidden[rows], weight, query.targets[rows], query.temperature, cap, *top, query.top_k)
         parts.append(checkpoint(score_chunk, *args, use_reentrant=False) if recompute else score_chunk(*args))
     out = {"logprobs": torch.cat([p[0] for p in parts]), "entropy": torch.cat([p[1] for p in parts])}
     if query.top_ids is not None:
         out["top_k_kl"] = torch.cat([p[2] for p in parts])
+    if query.top_k:
+        out["top_ids"], out["top_logprobs"] = torch.cat([p[3] for p in parts]), torch.cat([p[4] for p in parts])
     return out
 
 
-def score_chunk(hidden, weight, targets, temperature, cap, top_ids=None, top_logprobs=None):
-    """(logprobs [C], entropy [C], top-k KL [C] or an empty tensor) of one chunk of positions."""
+def score_chunk(hidden, weight, targets, temperature, cap, top_ids=None, top_logprobs=None, own_k: int = 0):
+    """(logprobs [C], entropy [C], top-k KL [C], own top-k ids [C, K] and logprobs [C, K]) of
+    one chunk of positions; what was not asked for is an empty tensor. The own top-k is the
+    K most likely tokens, most likely first, as vLLM returns a prompt's top logprobs."""
     logits = cap(hidden @ weight.t()).float() / temperature  # [C, V]
     logprobs = selective_log_softmax(logits, targets)
     entropy = entropy_from_logits(logits)  # no gradient
     kl = top_k_reverse_kl(logits, top_ids, top_logprobs) if top_ids is not None else logits.new_zeros(0)
-    return logprobs, entropy, kl
+    if not own_k:
+        return logprobs, entropy, kl, logits.new_zeros(0, dtype=torch.int64), logits.new_zeros(0)
+    with torch.no_grad():
+        top = torch.log_softmax(logits, dim=-1).topk(min(own_k, logits.shape[-1]), dim=-1)
+    return logprobs, entropy, kl, top.indices, top.values
 
 
 def install_token_head(model: nn.Module) -> None:

@@ -34,6 +34,8 @@ from trainer.model import (
     DTYPES, World, forward_logits, load_model, packing_support, setup_world, shared_prefix_support, teardown_world, uses_varlen,
 )
 from trainer.optim import build_optimizer, clip_and_step
+from trainer.teacher import TeacherError, load_teacher
+from trainer.teacher import score as teacher_score
 from trainer.traces import sample_traces, write_traces
 from trainer.transfer import WeightSender
 from trainer.weights import dedupe_tied, full_state_dict, prune_weights, save_weights
@@ -74,6 +76,10 @@ def train(cfg: TrainerConfig) -> None:
     torch.manual_seed(cfg.seed)
     model = load_model(cfg.model, world, cfg.lora)
     cfg = fit_to_model(cfg, model, world.is_main)
+    teacher = None
+    if cfg.teacher_model is not None:  # `[teacher] placement = "trainer"`: frozen, beside the student
+        teacher = load_teacher(cfg.teacher_model, cfg.model, world, model)
+        cfg = fit_to_model(cfg, teacher, world.is_main)  # its rows are the student's: both must take them
     optimizer, scheduler = build_optimizer(model, cfg.optim)
     metrics = (
         make_metrics("trainer", cfg.output_dir, CONSOLE_KEYS, cfg.wandb, cfg.model_dump(mode="json"))
@@ -110,7 +116,7 @@ def train(cfg: TrainerConfig) -> None:
             t_batch = time.perf_counter()
             # 2. one optimizer step over all micro-batches (and the traced samples' view of their tokens)
             traced: list[dict] = []
-            stats = train_step(model, optimizer, scheduler, batch, cfg, world, traced)
+            stats = train_step(model, optimizer, scheduler, batch, cfg, world, traced, teacher)
             write_traces(cfg.output_dir, step, world.rank, traced)
             nonfinite = count_nonfinite(stats, nonfinite, cfg.max_nonfinite_steps, step)
             t_train = time.perf_counter()
@@ -126,6 +132,8 @@ def train(cfg: TrainerConfig) -> None:
                 "train": t_train - t_batch,
                 "save_weights": t_save - t_train,
             }
+            if teacher is not None:
+                timings["teacher"] = stats["teacher_s"]  # inside `train`
             row = {
                 **step_metrics(stats, timings, step, distill=cfg.loss.distill),
                 "optim/nonfinite_streak": nonfinite, "weights/writers": writers,
@@ -204,25 +212,32 @@ def count_nonfinite(stats: dict[str, float], streak: int, limit: int, step: int)
 
 def train_step(
     model: nn.Module, optimizer, scheduler, batch: TrainBatch, cfg: TrainerConfig, world: World,
-    traced: list[dict] | None = None,
+    traced: list[dict] | None = None, teacher: nn.Module | None = None,
 ) -> dict[str, float]:
-    """Forward/backward every micro-batch, then clip and step. Returns step-wide stats; the
-    traced samples' rows (``trainer.traces``) go to ``traced``."""
+    """Forward/backward every micro-batch, then clip and step (with an in-trainer ``teacher``,
+    its scores of each micro-batch first). Returns step-wide stats; the traced samples' rows
+    (``trainer.traces``) go to ``traced``."""
     pad_id = getattr(model.config, "pad_token_id", None) or 0
     varlen = uses_varlen(model) and cfg.pack
     share = cfg.share_prefix and not varlen
     micros = [collate(m, cfg.seq_len, pad_id, world.device, share, cfg.pack, varlen)
               for m in micro_batches(batch, cfg.seq_len, cfg.micro_batch_tokens, share)]
-    check_teacher(micros, cfg.loss.distill, batch.step)
+    check_teacher(micros, cfg.loss.distill, batch.step, in_trainer=teacher is not None)
     # Step-wide normalisers, identical on every rank. Position 0 is never scored (no prefix).
     local_tokens = sum(loss_token_count(m, cfg.loss.denominator, cfg.loss.distill) for m in micros)
     num_tokens = max(1, int(all_reduce(scalar(local_tokens, world), dist.ReduceOp.SUM)))
     num_micro = int(all_reduce(scalar(len(micros), world), dist.ReduceOp.MAX))
 
     sums = torch.zeros(len(SUM_KEYS), dtype=torch.float64, device=world.device)  # float64: counts stay exact
+    teacher_s = 0.0
     for i in range(num_micro):
         if i < len(micros):
-            sums += micro_step(model, micros[i], batch.temperature, cfg.loss, num_tokens, world.world_size, traced)
+            mt = micros[i]
+            if teacher is not None:
+                t0 = time.perf_counter()
+                mt = teacher_score(teacher, mt, cfg.loss.distill.top_k)
+                teacher_s += time.perf_counter() - t0
+            sums += micro_step(model, mt, batch.temperature, cfg.loss, num_tokens, world.world_size, traced)
         else:
             lockstep_step(model, world)  # this rank ran out of micro-batches; FSDP needs equal passes
     grad_norm, lr = clip_and_step(model, optimizer, scheduler, cfg.optim.max_grad_norm)
@@ -231,12 +246,16 @@ def train_step(
     versions = [s.policy_version for m in batch.micro_batches for s in m.samples]
     min_version = all_reduce(scalar(min(versions, default=10**9), world), dist.ReduceOp.MIN)
     return {**dict(zip(SUM_KEYS, sums.tolist())), "grad_norm": grad_norm, "lr": lr, "min_version": float(min_version),
-            "micro_batches": float(num_micro)}
+            "micro_batches": float(num_micro), "teacher_s": teacher_s}
 
 
-def check_teacher(micros: list[MicroTensors], distill: DistillConfig | None, step: int) -> None:
-    """Distillation needs every micro-batch scored by the teacher; say so before any forward."""
-    if distill is not None and any(m.teacher_logprobs is None for m in micros):
+def check_teacher(micros: list[MicroTensors], distill: DistillConfig | None, step: int, in_trainer: bool = False) -> None:
+    """Distillation needs every micro-batch scored by the teacher (a served one's scores in the
+    batch, or the trainer's own teacher, never both); say so before any forward."""
+    if in_trainer and any(m.teacher_logprobs is not None for m in micros):
+        raise ValueError(f"the batch of step {step} carries a served teacher's logprobs and trainer.teacher_model is set: "
+                         "one teacher only (teacher.placement)")
+    if not in_trainer and distill is not None and any(m.teacher_logprobs is None for m in micros):
         raise no_teacher(f"the batch of step {step}")
 
 
@@ -315,7 +334,8 @@ def micro_step(
     # FSDP averages gradients over ranks; the loss is already a global token mean, so undo it.
     (loss * world_size).backward()
     if traced is not None and mt.traces:
-        traced += sample_traces(mt.traces, trainer_lp, inference_lp, loss_mask, scores["entropy"], loss_cfg)
+        teacher_lp = None if mt.teacher_logprobs is None else mt.teacher_logprobs[:, 1:]
+        traced += sample_traces(mt.traces, trainer_lp, inference_lp, loss_mask, scores["entropy"], loss_cfg, teacher_lp)
     values = {
         **stats,
         "loss_sum": loss.detach(),
@@ -412,7 +432,8 @@ def reset_peak_memory() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_process("trainer", TrainerConfig, train, argv, expected=(CheckpointError,))  # a damaged checkpoint: one line
+    # a damaged checkpoint, a teacher that cannot score the student's tokens: one line
+    return run_process("trainer", TrainerConfig, train, argv, expected=(CheckpointError, TeacherError))
 
 
 if __name__ == "__main__":

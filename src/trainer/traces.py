@@ -1,7 +1,7 @@
 """The trainer's side of the rollout traces (`prime_rl.traces` has the format): for every
 sample the orchestrator traced (``Sample.trace_id``), what the trainer saw at each token it
-trained on: its own logprob, the entropy of its distribution and whether the importance
-band dropped the token. Each rank writes the rows of its own samples, a step's in one write."""
+trained on: its own logprob, the entropy of its distribution, whether the importance
+band dropped the token and, when distilling, the teacher's logprob. Each rank writes the rows of its own samples, a step's in one write."""
 
 from __future__ import annotations
 
@@ -18,10 +18,12 @@ from trainer.loss import importance_weights
 
 @torch.no_grad()
 def sample_traces(traces: list[tuple[str, int] | None], trainer_lp: torch.Tensor, inference_lp: torch.Tensor,
-                  loss_mask: torch.Tensor, entropy: torch.Tensor, loss_cfg: LossConfig) -> list[dict]:
-    """Rows of the traced samples of one micro-batch. ``trainer_lp``, ``inference_lp`` and
-    ``loss_mask`` are [B, T-1] (position t scores token t+1), ``entropy`` [N] at the N loss
-    tokens in row-major order; ``traces`` holds each sample's (id, part) or None."""
+                  loss_mask: torch.Tensor, entropy: torch.Tensor, loss_cfg: LossConfig,
+                  teacher_lp: torch.Tensor | None = None) -> list[dict]:
+    """Rows of the traced samples of one micro-batch. ``trainer_lp``, ``inference_lp``,
+    ``loss_mask`` and ``teacher_lp`` (distilling; None otherwise) are [B, T-1] (position t
+    scores token t+1), ``entropy`` [N] at the N loss tokens in row-major order; ``traces``
+    holds each sample's (id, part) or None."""
     if not any(traces):
         return []
     mask = loss_mask.bool()
@@ -38,6 +40,7 @@ def sample_traces(traces: list[tuple[str, int] | None], trainer_lp: torch.Tensor
             "logprobs": [round(v, 5) for v in trainer_lp[b][m].float().tolist()],
             "entropy": [round(v, 4) for v in per_token[b][m].tolist()],
             "masked": (~in_band[b][m]).int().tolist(),
+            **({} if teacher_lp is None else {"teacher_logprobs": [round(v, 5) for v in teacher_lp[b][m].float().tolist()]}),
         })
     return rows
 

@@ -163,7 +163,7 @@ def show_placement(config: RLConfig, placement: Placement, gpus: int, attached: 
     d = config.deployment
     both = gpus == 0 and (d.inference_gpus > 1 or d.trainer_gpus > 1)  # a GPU split, run on CPU here
     if both:
-        teacher = d.teacher_gpus if config.teacher is not None and config.teacher.model is not None else 0
+        teacher = d.teacher_gpus if config.teacher is not None and config.teacher.local_server else 0
         needed = d.inference_gpus + d.trainer_gpus + teacher
         split = f"inference {d.inference_gpus}, trainer {d.trainer_gpus}" + (f", teacher {teacher}" if teacher else "")
         print(f"[prime-rl] placement on a node with {needed} GPUs ({split}):", flush=True)

@@ -6,7 +6,7 @@ Never imports torch or vLLM (the launcher validates configs before any process s
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field, model_validator
 
@@ -97,7 +97,10 @@ class TeacherConfig(StrictModel):
     ids, never re-tokenized), so it must use the student's tokenizer."""
 
     model: str | None = None
-    """An HF model folder (or hub id), or a run's `weights/step_N` (full weights): served by a vLLM process of its own, which the launcher starts and stops with the run in its own pane."""
+    """An HF model folder (or hub id), or a run's `weights/step_N` (full weights): served by a vLLM process of its own, which the launcher starts and stops with the run in its own pane (or, with `placement = "trainer"`, loaded in the trainer)."""
+
+    placement: Literal["server", "trainer"] = "server"
+    """Where the teacher scores: `server` = a vLLM server (a local one for `model`, started with the run; or the `endpoint`); `trainer` = `model`'s weights loaded frozen in the trainer beside the student, scoring each micro-batch in a forward of its own over the same packed rows (no second server, no scores on the wire; for teachers that fit beside the student, docs/distillation.md). The server's keys (`port`, `seq_len`, `max_num_seqs`, ...) apply to `server` only."""
 
     endpoint: str | None = None
     """Instead of `model`: the name of an endpoint in `endpoints_path` whose server returns prompt logprobs over token ids (a vLLM server: its URL ending in `/v1`)."""
@@ -138,7 +141,17 @@ class TeacherConfig(StrictModel):
             raise ValueError("teacher: set exactly one of `model` (served locally) and `endpoint` (a running server)")
         if self.system_prompt is not None and self.system_prompt_file is not None:
             raise ValueError("teacher: set `system_prompt` or `system_prompt_file`, not both")
+        if self.placement == "trainer" and self.model is None:
+            raise ValueError('teacher.placement = "trainer" loads `model` in the trainer; an endpoint is served elsewhere (placement = "server")')
+        if self.placement == "trainer" and (self.system_prompt is not None or self.system_prompt_file is not None):
+            raise ValueError('teacher.placement = "trainer" scores the student\'s own tokens; context distillation '
+                             '(`system_prompt`) needs the teacher\'s rendering of each prompt: use placement = "server"')
         return self
+
+    @property
+    def local_server(self) -> bool:
+        """A vLLM server of the teacher's own, started with the run."""
+        return self.model is not None and self.placement == "server"
 
 
 class StatusConfig(StrictModel):
@@ -401,7 +414,7 @@ class RLConfig(StrictModel):
             raise ValueError("trainer.loss.distill is set but there is no `[teacher]` (model = a folder, or endpoint = a name)")
         if self.teacher is not None and distill is None:
             raise ValueError("`[teacher]` is set but `[trainer.loss.distill]` is not: the teacher's logprobs would not be trained on")
-        if self.teacher is not None and self.teacher.model is not None and self.slurm is not None and self.slurm.multi_node:
+        if self.teacher is not None and self.teacher.local_server and self.slurm is not None and self.slurm.multi_node:
             raise ValueError("teacher.model: a local teacher runs on one node; in a multi-node job serve it yourself and set teacher.endpoint")
 
 

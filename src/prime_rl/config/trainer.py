@@ -152,6 +152,9 @@ class TrainerConfig(StrictModel):
     lora: LoraConfig | None = None
     """Train LoRA adapters instead of every weight (`[trainer.lora]`); None = full fine-tuning. `weights/step_N/` then holds the adapter (PEFT format), which inference loads at run time."""
 
+    teacher_model: str | None = None
+    """The distillation teacher in the trainer's own process (`[teacher] placement = "trainer"`, filled by the launcher): an HF model folder with the student's tokenizer, loaded frozen in the compute dtype beside the student, which scores each micro-batch's sampled tokens (and its top-k, with `loss.distill.top_k`) in a forward of its own over the same packed rows. None = a served teacher's scores come with the batch, or no teacher."""
+
     weights: WeightsConfig = WeightsConfig()
     """Weight handoff to inference."""
 
@@ -200,6 +203,12 @@ class TrainerConfig(StrictModel):
 
     wandb: WandbConfig | None = None
     """W&B logging; off when absent."""
+
+    @model_validator(mode="after")
+    def _teacher_trains(self) -> TrainerConfig:
+        if self.teacher_model is not None and self.loss.distill is None:
+            raise ValueError("teacher_model is set but loss.distill is not: the teacher's scores would not be trained on")
+        return self
 
 
 class SFTDataConfig(StrictModel):

@@ -141,7 +141,7 @@ def gpu_memory_bytes() -> int | None:
 def plan_single_node(config: RLConfig, gpus_available: int) -> Placement:
     """The trio on this machine, GPUs split by `[deployment]` (CPU processes without GPUs)."""
     deployment, inference = config.deployment, config.inference
-    local_teacher = config.teacher is not None and config.teacher.model is not None
+    local_teacher = config.teacher is not None and config.teacher.local_server
     teacher_gpus = deployment.teacher_gpus if local_teacher else 0
     needed = deployment.inference_gpus + deployment.trainer_gpus + teacher_gpus
     if 0 < gpus_available < needed:

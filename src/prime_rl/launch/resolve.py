@@ -72,8 +72,11 @@ def resolve(config: RLConfig) -> RLConfig:
     # Memory mode's transfer group: the trainer and every replica's workers.
     for section in (config.trainer, orchestrator, inference):
         section.weight_transfer.workers = config.num_replicas * inference.tensor_parallel_size
-    # `[teacher]` becomes the orchestrator's teacher client (kept when filled already: a SLURM job's resolved config).
-    if config.teacher is not None and orchestrator.teacher is None:
+    # `[teacher]` becomes the orchestrator's teacher client (kept when filled already: a SLURM
+    # job's resolved config), or with placement = "trainer" the trainer's own teacher.
+    if config.teacher is not None and config.teacher.placement == "trainer":
+        config.trainer.teacher_model = config.teacher.model
+    elif config.teacher is not None and orchestrator.teacher is None:
         orchestrator.teacher = teacher_client(config)
     return config
 
@@ -129,7 +132,7 @@ def with_server_key(config: RLConfig) -> RLConfig:
     if config.orchestrator.client.api_key is None:
         config.orchestrator.client.api_key = key
     teacher = config.orchestrator.teacher
-    if teacher is not None and config.teacher is not None and config.teacher.model is not None and teacher.client.api_key is None:
+    if teacher is not None and config.teacher is not None and config.teacher.local_server and teacher.client.api_key is None:
         teacher.client.api_key = key  # the local teacher's vLLM runs with the inference section's key
     return config
 

@@ -72,7 +72,7 @@ def teacher_inference(config: RLConfig) -> InferenceConfig:
     binding) with the teacher's model, port, context and batch, and room for the top-k
     logprobs the loss asks for; no LoRA, no tool parser, no weight transfer (its weights never change)."""
     teacher = config.teacher
-    assert teacher is not None and teacher.model is not None
+    assert teacher is not None and teacher.local_server
     seq_len = teacher.seq_len
     if seq_len is None:
         room = teacher.prompt_room if (teacher.system_prompt or teacher.system_prompt_file) else 0
