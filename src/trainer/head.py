@@ -58,6 +58,9 @@ class HeadQuery:
     """Also return this model's own K most likely tokens at each position (the in-trainer
     teacher's top-k, ``trainer.teacher``; no gradient)."""
 
+    entropy: bool = True
+    """Return each position's entropy (a metric of the policy; a teacher's is not needed)."""
+
 
 class TokenHead(nn.Module):
     """The output layer with the weight of the linear layer it replaces ([V, H], no bias)."""
@@ -92,7 +95,7 @@ def score_tokens(hidden: torch.Tensor, weight: torch.Tensor, query: HeadQuery, c
     for start in range(0, max(n, 1), chunk):  # one (empty) chunk when N = 0: outputs keep their shapes
         rows = slice(start, start + chunk)
         top = (query.top_ids[rows], query.top_logprobs[rows]) if query.top_ids is not None else (None, None)
-        args = (hidden[rows], weight, query.targets[rows], query.temperature, cap, *top, query.top_k)
+        args = (hidden[rows], weight, query.targets[rows], query.temperature, cap, *top, query.top_k, query.entropy)
         parts.append(checkpoint(score_chunk, *args, use_reentrant=False) if recompute else score_chunk(*args))
     out = {"logprobs": torch.cat([p[0] for p in parts]), "entropy": torch.cat([p[1] for p in parts])}
     if query.top_ids is not None:
@@ -102,19 +105,23 @@ def score_tokens(hidden: torch.Tensor, weight: torch.Tensor, query: HeadQuery, c
     return out
 
 
-def score_chunk(hidden, weight, targets, temperature, cap, top_ids=None, top_logprobs=None, own_k: int = 0):
+def score_chunk(hidden, weight, targets, temperature, cap, top_ids=None, top_logprobs=None, own_k: int = 0,
+                with_entropy: bool = True):
     """(logprobs [C], entropy [C], top-k KL [C], own top-k ids [C, K] and logprobs [C, K]) of
     one chunk of positions; what was not asked for is an empty tensor. The own top-k is the
     K most likely tokens, most likely first, as vLLM returns a prompt's top logprobs."""
     logits = cap(hidden @ weight.t()).float() / temperature  # [C, V]
+    empty = logits.new_zeros(0)
+    if own_k:  # a teacher's scores, without gradient: one normalisation serves both
+        with torch.no_grad():
+            logprobs = torch.log_softmax(logits, dim=-1)
+            top = logprobs.topk(min(own_k, logits.shape[-1]), dim=-1)
+            chosen = logprobs.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)
+        return chosen, entropy_from_logits(logits) if with_entropy else empty, empty, top.indices, top.values
     logprobs = selective_log_softmax(logits, targets)
-    entropy = entropy_from_logits(logits)  # no gradient
-    kl = top_k_reverse_kl(logits, top_ids, top_logprobs) if top_ids is not None else logits.new_zeros(0)
-    if not own_k:
-        return logprobs, entropy, kl, logits.new_zeros(0, dtype=torch.int64), logits.new_zeros(0)
-    with torch.no_grad():
-        top = torch.log_softmax(logits, dim=-1).topk(min(own_k, logits.shape[-1]), dim=-1)
-    return logprobs, entropy, kl, top.indices, top.values
+    entropy = entropy_from_logits(logits) if with_entropy else empty  # no gradient
+    kl = top_k_reverse_kl(logits, top_ids, top_logprobs) if top_ids is not None else empty
+    return logprobs, entropy, kl, empty.long(), empty
 
 
 def install_token_head(model: nn.Module) -> None:

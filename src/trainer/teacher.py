@@ -64,7 +64,7 @@ def load_teacher(path: str, cfg: ModelConfig, world: World, student: nn.Module) 
 def score(teacher: nn.Module, mt: MicroTensors, top_k: int) -> MicroTensors:
     """``mt`` with the teacher's logprob of every loss token ([B, T], 0 elsewhere) and, with
     ``top_k``, its K most likely tokens at each ([N, K], in ``head_query``'s order)."""
-    query = dataclasses.replace(mt.head_query(1.0), top_ids=None, top_logprobs=None, top_k=top_k)
+    query = dataclasses.replace(mt.head_query(1.0), top_ids=None, top_logprobs=None, top_k=top_k, entropy=False)
     scores = forward_logits(teacher, mt.model_ids, mt.model_mask, mt.model_positions, mt.cu_seqlens, mt.max_seqlen,
                             query=query)
     logprobs = torch.zeros_like(mt.inference_logprobs)
