@@ -118,6 +118,20 @@ def test_wiki_search_fits_80_and_141_gb_gpus():
     assert plain.activations > 25 * checkpointed.activations and plain.total > 3 * checkpointed.total
 
 
+def test_a_teacher_in_the_trainer_adds_its_weights_in_the_compute_dtype_to_every_rank():
+    """`[teacher] placement = "trainer"`: Qwen3-4B beside the 4B student, whole on each of the
+    4 ranks in bf16 (2 bytes a parameter); a served teacher adds nothing to the trainer."""
+    teacher = ["--teacher.model", "Qwen/Qwen3-4B", "--trainer.loss.distill.kl-weight", "1"]
+    alone = estimate_run(wiki_search(), "cuda", gpu_bytes=None)
+    beside = estimate_run(wiki_search(*teacher, "--teacher.placement", "trainer"), "cuda", gpu_bytes=None)
+    served = estimate_run(wiki_search(*teacher), "cuda", gpu_bytes=None)
+    params = model_shape("Qwen/Qwen3-4B")[0].params
+    assert beside.lines[1].endswith(f"+ the teacher {params * 2 / GIB:.1f} GiB ({params / 1e9:.2f}B, bfloat16)"), beside.lines[1]
+    assert served.lines == alone.lines
+    total = lambda est: float(est.lines[1].split("): ")[1].split(" GiB")[0])  # noqa: E731
+    assert total(beside) == pytest.approx(total(alone) + params * 2 / GIB, abs=0.11)
+
+
 def test_a_run_that_cannot_fit_its_gpus_is_refused_one_line_per_process(tmp_path, monkeypatch, capsys):
     import prime_rl.commands.rl as rl
 

@@ -44,8 +44,6 @@ def rl(**sections) -> RLConfig:
         ({**distill(), "teacher": {"model": "t", "system_prompt": "a", "system_prompt_file": "f"}}, "not both"),
         ({"trainer": {"loss": {"distill": {"kl_weight": 0}}}, "teacher": {"model": "t"}}, "nothing would be learned"),
         ({**distill(), "teacher": {"endpoint": "e", "placement": "trainer"}}, r'placement = "trainer" loads `model` in the trainer'),
-        ({**distill(), "teacher": {"model": "t", "placement": "trainer", "system_prompt": "a"}},
-         r"context distillation \(`system_prompt`\) needs the teacher's rendering of each prompt"),
         ({**distill(), "teacher": {"model": "t", "placement": "gpu"}}, r"placement\n.*'server' or 'trainer'"),
     ],
 )
@@ -82,6 +80,12 @@ def test_a_teacher_placed_in_the_trainer_starts_no_server_and_sends_nothing_on_t
     assert "teacher" not in {s.name for s in process_specs(placed(cfg, placement), tmp_path, placement)}
     served = resolve(rl(teacher={"model": "teacher-model"}))
     assert served.trainer.teacher_model is None and served.orchestrator.teacher.model == "teacher-model"
+    # context distillation: the orchestrator renders the teacher's prompts, the trainer scores them
+    context = resolve(rl(teacher={"model": "teacher-model", "placement": "trainer", "system_prompt": "Reverse it."}))
+    assert context.orchestrator.teacher_system_prompt == "Reverse it." and context.orchestrator.teacher is None
+    assert served.orchestrator.teacher_system_prompt is None
+    with pytest.raises(ValidationError, match="teacher_system_prompt is for a teacher in the trainer"):
+        served.orchestrator.model_validate({**served.orchestrator.model_dump(), "teacher_system_prompt": "x"})
     from prime_rl.config import TrainerConfig
 
     with pytest.raises(ValidationError, match="teacher_model is set but loss.distill is not"):
@@ -192,6 +196,22 @@ def test_every_sampled_token_gets_the_teachers_logprob_at_its_own_position():
     assert row["distill/teacher_tokens_per_s"] > 0
     (batch,) = pack_batches(scored, step=0, num_ranks=1, micro_batch_size=8, temperature=1.0, seq_len=64)
     np.testing.assert_allclose(teacher_array(batch.micro_batches[0].samples[0]), a)
+
+
+def test_with_the_teacher_in_the_trainer_a_sample_carries_the_teachers_first_prompt_instead():
+    """Context distillation, `placement = "trainer"`: nothing scored here, so the sample takes
+    the teacher's rendering of its first prompt along (the trainer's teacher scores it); a
+    later turn's prompt is the student's, and a cut that leaves no sampled token sends none."""
+    from prime_rl.wire import teacher_view
+
+    context = Rollout(1, [Turn([1, 2], [3], [-0.125], teacher_prompt_ids=[7, 7, 1, 2]), Turn([4], [5], [-0.5])], 0.0)
+    (batch,) = pack_batches([ScoredRollout(context, -0.5, 0)], step=0, num_ranks=1, micro_batch_size=8, temperature=1.0, seq_len=64)
+    (sample,) = batch.micro_batches[0].samples
+    assert teacher_array(sample) is None
+    assert teacher_view(sample)[0].tolist() == [7, 7, 1, 2, 3, 4, 5] and teacher_view(sample)[1] == 2
+    (cut,) = pack_batches([ScoredRollout(context, -0.5, 0)], step=0, num_ranks=1, micro_batch_size=8, temperature=1.0,
+                          seq_len=2)[0].micro_batches[0].samples
+    assert cut.teacher_prompt_ids is None  # only the prompt is left: nothing for a teacher to score
 
 
 def test_a_rollout_of_two_samples_gets_two_teacher_arrays_and_seq_len_cuts_them():

@@ -37,36 +37,57 @@ def samples() -> list:
     return out
 
 
+def with_teacher_prompts(sample_list) -> list:
+    """The same samples, the first three with a teacher prompt of their own (context
+    distillation): longer than the student's prompt, shorter, and as long."""
+    from prime_rl.wire import sample_arrays
+
+    prompts = {0: [5, 200, 201, 202, 17, 42, 8, 99, 3], 1: [5, 3], 2: [9, 9, 9, 9, 9, 9]}
+    out = []
+    for i, s in enumerate(sample_list):
+        ids, mask, logprobs = sample_arrays(s)
+        prompt = (prompts[i], 6) if i in prompts else None
+        out.append(make_sample(ids, mask, logprobs, advantage=s.advantage, reward=0.0, policy_version=0,
+                               example_id=s.example_id, teacher_prompt=prompt))
+    return out
+
+
 def reference(model_dir, sample_list) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    """The teacher run on each sample alone with plain transformers: (logprob of every loss
-    token [n], its top-K ids [n, K] and logprobs [n, K]), temperature 1, float32."""
+    """The teacher run on each sample alone with plain transformers, as it sees it (its own
+    prompt first, with context distillation): (logprob of every loss token [n], its top-K ids
+    [n, K] and logprobs [n, K]), temperature 1, float32."""
     from transformers import AutoModelForCausalLM
 
-    from prime_rl.wire import sample_arrays
+    from prime_rl.wire import sample_arrays, teacher_view
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     out = []
     for s in sample_list:
-        ids, mask, _ = sample_arrays(s)
+        _, mask, _ = sample_arrays(s)
+        ids, offset = teacher_view(s)
         with torch.no_grad():
             logprobs = torch.log_softmax(model(torch.from_numpy(np.asarray([ids]))).logits[0].float(), -1)  # [T, V]
-        at = np.nonzero(mask)[0] - 1  # the position before each loss token scores it
+        at = np.nonzero(mask)[0] + offset - 1  # the position before each loss token scores it
         chosen = logprobs[at, torch.tensor(ids)[at + 1]]
         top = logprobs[at].topk(K, -1)
         out.append((chosen.numpy(), top.indices.numpy(), top.values.numpy()))
     return out
 
 
+@pytest.mark.parametrize("context", [False, True], ids=["own prompt", "teacher's prompt"])
 @pytest.mark.parametrize("layout", ["packed, shared prefixes", "a row a sample"])
-def test_the_trainers_teacher_scores_packed_rows_as_the_model_scores_each_sample_alone(tiny_model, other_tiny_model, layout):
+def test_the_trainers_teacher_scores_packed_rows_as_the_model_scores_each_sample_alone(tiny_model, other_tiny_model, layout, context):
+    """On the student's rows, or (context distillation) on rows of the teacher's view, laid
+    out alike; either way each sampled token's scores are the model's on that sample alone."""
     student = load_model(ModelConfig(name=str(tiny_model)), CPU)
     teacher = load_teacher(str(other_tiny_model), ModelConfig(name=str(tiny_model)), CPU, student)
     assert not any(p.requires_grad for p in teacher.parameters()) and not teacher.training
     packed = layout.startswith("packed")
-    batch = samples()
-    mt = collate(MicroBatch(batch), 64, 0, CPU.device, share_prefix=packed, pack=packed)
+    batch = with_teacher_prompts(samples()) if context else samples()
+    lay_out = lambda m, seq_len: collate(m, seq_len, 0, CPU.device, share_prefix=packed, pack=packed)  # noqa: E731
+    mt = lay_out(MicroBatch(batch), 64)
     assert (mt.num_model_tokens < int(mt.attention_mask.sum())) == packed  # the prompt laid out once
-    scored = score(teacher, mt, K)
+    scored = score(teacher, mt, K, MicroBatch(batch), lay_out)
     mask = mt.loss_mask[:, 1:]
     want = reference(other_tiny_model, batch)
     got = scored.teacher_logprobs[:, 1:]
@@ -79,7 +100,7 @@ def test_the_trainers_teacher_scores_packed_rows_as_the_model_scores_each_sample
         np.testing.assert_allclose(scored.teacher_top_logprobs[rows : rows + n].numpy(), top_lp, atol=2e-5)
         rows += n
     assert rows == scored.teacher_top_ids.shape[0] == int(mask.sum())
-    assert score(teacher, mt, 0).teacher_top_ids is None  # without top_k, the sampled tokens' logprobs alone
+    assert score(teacher, mt, 0, MicroBatch(batch), lay_out).teacher_top_ids is None  # without top_k: the sampled tokens' alone
 
 
 def one_step(tiny_model, batch, distill: DistillConfig, teacher_dir=None) -> dict[str, float]:
@@ -98,15 +119,16 @@ def one_step(tiny_model, batch, distill: DistillConfig, teacher_dir=None) -> dic
     return stats
 
 
+@pytest.mark.parametrize("context", [False, True], ids=["own prompt", "teacher's prompt"])
 @pytest.mark.parametrize("top_k", [0, K])
-def test_a_step_with_the_trainers_teacher_is_the_step_a_served_teachers_scores_give(tiny_model, other_tiny_model, top_k):
+def test_a_step_with_the_trainers_teacher_is_the_step_a_served_teachers_scores_give(tiny_model, other_tiny_model, top_k, context):
     """The same samples, scored once by the teacher in the trainer and once carrying (what a
     served teacher sends) the same model's logprobs and top-k from plain transformers: one loss,
     one set of sums, the same update."""
     from prime_rl.wire import sample_arrays
 
     distill = DistillConfig(reward_weight=0.5, top_k=top_k)
-    batch = samples()
+    batch = with_teacher_prompts(samples()) if context else samples()
     served = []
     for s, (chosen, top_ids, top_lp) in zip(batch, reference(other_tiny_model, batch)):
         ids, mask, logprobs = sample_arrays(s)

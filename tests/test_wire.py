@@ -244,6 +244,49 @@ def test_teacher_top_k_ids_outside_the_embedding_are_rejected():
         decode_batch(frame_with([MicroBatch([top_k_sample()])]), vocab_size=8)
 
 
+# --------------------------------------------------------------------------- context distillation in the trainer
+
+
+def context_sample(prompt=(9, 9, 9, 1), cut=2):
+    """4 tokens, the first 2 the student's prompt, the teacher's own prompt in their place."""
+    return make_sample([1, 2, 3, 4], [0, 0, 1, 1], [0.0, 0.0, -0.5, -1.0], advantage=0.5, reward=1.0, policy_version=0,
+                       example_id=0, teacher_prompt=(list(prompt), cut))
+
+
+def test_a_teacher_prompt_round_trips_and_gives_the_teachers_view():
+    from prime_rl.wire import teacher_view
+
+    original = context_sample()
+    decoded = decode_batch(frame_with([MicroBatch([original])]), vocab_size=16).micro_batches[0].samples[0]
+    assert decoded == original
+    ids, offset = teacher_view(decoded)
+    assert ids.tolist() == [9, 9, 9, 1, 3, 4] and offset == 2  # token 2 of the sample is token 4 of the view
+    assert teacher_view(decoded, seq_len=3)[0].tolist() == [9, 9, 9, 1, 3]
+    assert teacher_view(one_sample())[1] == 0  # a sample without one: its own ids
+
+
+@pytest.mark.parametrize(
+    "change, error",
+    [
+        (dict(teacher_prompt_cut=3), "teacher_prompt_cut 3 must lie inside the sample's first prompt"),
+        (dict(teacher_prompt_cut=0), "teacher_prompt_cut 0 must lie inside the sample's first prompt"),
+        (dict(teacher_prompt_ids=b""), "teacher_prompt_ids must be a non-empty int32 buffer"),
+        (dict(teacher_prompt_ids=None), "teacher_prompt_cut 2 without teacher_prompt_ids"),
+        (dict(teacher_logprobs=np.zeros(4, dtype="<f4").tobytes()), "carries both a served teacher's logprobs and a teacher prompt"),
+    ],
+    ids=["cut-into-the-completion", "cut-0", "empty", "cut-alone", "both-teachers"],
+)
+def test_a_bad_teacher_prompt_is_rejected_naming_the_sample(change, error):
+    bad = msgspec.structs.replace(context_sample(), **change)
+    with pytest.raises(WireError, match=rf"micro_batches\[0\].samples\[1\]: {re.escape(error)}"):
+        decode_batch(frame_with([MicroBatch([context_sample(), bad])]))
+
+
+def test_teacher_prompt_ids_outside_the_embedding_are_rejected():
+    with pytest.raises(WireError, match=r"samples\[0\]: token id 9 out of range \(the model's embedding has 8 rows\)"):
+        decode_batch(frame_with([MicroBatch([context_sample()])]), vocab_size=8)
+
+
 def test_one_top_k_a_batch():
     frame = frame_with([MicroBatch([top_k_sample(k=2), top_k_sample(k=1)])])
     with pytest.raises(WireError, match=r"different k \(\[1, 2\]\)"):

@@ -112,6 +112,12 @@ def to_sample(
     ids, mask, logprobs = rollout_tokens(scored.rollout, turns)
     if min(len(ids), seq_len) < 2:  # the trainer predicts token t+1 from t: one token teaches nothing
         raise ValueError(f"example {scored.rollout.example_id}: a sample needs at least 2 tokens, got {len(ids)}")
+    # context distillation with the teacher in the trainer (none scored it here): the
+    # teacher's first prompt goes along, for the trainer to score the sample under it
+    first = (turns or scored.rollout.turns)[0]
+    teacher_prompt = None
+    if teacher_logprobs is None and first.teacher_prompt_ids is not None and len(first.prompt_ids) < min(len(ids), seq_len):
+        teacher_prompt = (first.teacher_prompt_ids, len(first.prompt_ids))
     return make_sample(
         ids[:seq_len],
         mask[:seq_len],
@@ -123,6 +129,7 @@ def to_sample(
         last_policy_version=scored.last_policy_version,
         teacher_logprobs=teacher_logprobs,
         teacher_top=teacher_top,
+        teacher_prompt=teacher_prompt,
         trace_id=scored.trace_id,
         trace_part=part,
     )

@@ -471,7 +471,8 @@ async def run(cfg: OrchestratorConfig, envs: list[tuple[str, Environment]], toke
     client = InferenceClient(cfg.client, cfg.model, lora_adapter=cfg.lora_adapter, weight_transfer=memory)
     sampler = TokenSampler(
         client, tokenizer, cfg.sampling, cfg.seq_len, per_turn=cfg.multi_turn == "per_turn",
-        tool_call_parser=cfg.tool_call_parser, teacher_system_prompt=cfg.teacher and cfg.teacher.system_prompt,
+        tool_call_parser=cfg.tool_call_parser,
+        teacher_system_prompt=cfg.teacher.system_prompt if cfg.teacher is not None else cfg.teacher_system_prompt,
     )
     teacher = Teacher(cfg.teacher) if cfg.teacher is not None else None
     rate = RateWindow()  # perf/tokens_per_s

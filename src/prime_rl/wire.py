@@ -84,6 +84,15 @@ class Sample(msgspec.Struct, frozen=True):
     teacher_top_logprobs: bytes | None = None
     """float32 [N, K]: the teacher's logprobs of ``teacher_top_ids``."""
 
+    teacher_prompt_ids: bytes | None = None
+    """int32: context distillation with the teacher in the trainer: the teacher's rendering of
+    the sample's first prompt (its own system prompt), which replaces the first
+    ``teacher_prompt_cut`` tokens in what the teacher scores; None = the sample's own tokens."""
+
+    teacher_prompt_cut: int = 0
+    """How many of ``input_ids`` (the student's first prompt, none of them trained on) the
+    teacher's prompt replaces."""
+
     trace_id: str | None = None
     """The rollout's id in `RUN/traces/rollouts.jsonl` when it is traced (``prime_rl.traces``):
     the trainer then writes its view of the sample's tokens under this id; None = not traced."""
@@ -121,10 +130,12 @@ def make_sample(
     last_policy_version: int | None = None,
     teacher_logprobs: list[float] | np.ndarray | None = None,
     teacher_top: tuple[np.ndarray, np.ndarray] | None = None,
+    teacher_prompt: tuple[list[int] | np.ndarray, int] | None = None,
     trace_id: str | None = None,
     trace_part: int = 0,
 ) -> Sample:
-    """``teacher_top``: (ids, logprobs), both [N, K], N = the loss-mask tokens (see ``Sample``)."""
+    """``teacher_top``: (ids, logprobs), both [N, K], N = the loss-mask tokens; ``teacher_prompt``:
+    (the teacher's first prompt, how many tokens of the sample's it replaces) (see ``Sample``)."""
     ids = np.asarray(input_ids, dtype="<i4")
     mask = np.asarray(loss_mask, dtype=np.uint8)
     logprobs = np.asarray(inference_logprobs, dtype="<f4")
@@ -152,6 +163,8 @@ def make_sample(
         teacher_top_k=0 if top_ids is None else int(top_ids.shape[1]),
         teacher_top_ids=None if top_ids is None else top_ids.tobytes(),
         teacher_top_logprobs=None if top_logprobs is None else top_logprobs.tobytes(),
+        teacher_prompt_ids=None if teacher_prompt is None else np.asarray(teacher_prompt[0], dtype="<i4").tobytes(),
+        teacher_prompt_cut=0 if teacher_prompt is None else int(teacher_prompt[1]),
         trace_id=trace_id,
         trace_part=int(trace_part),
     )
@@ -170,6 +183,17 @@ def teacher_top_arrays(sample: Sample) -> tuple[np.ndarray, np.ndarray] | None:
     k = sample.teacher_top_k
     return (np.frombuffer(sample.teacher_top_ids, dtype="<i4").reshape(-1, k),
             np.frombuffer(sample.teacher_top_logprobs, dtype="<f4").reshape(-1, k))
+
+
+def teacher_view(sample: Sample, seq_len: int | None = None) -> tuple[np.ndarray, int]:
+    """(the token ids the teacher scores for ``sample`` cut at ``seq_len``, how far each of the
+    sample's positions moves in them): its own ids, or with a teacher prompt that prompt in
+    place of the first ``teacher_prompt_cut`` tokens."""
+    ids = np.frombuffer(sample.input_ids, dtype="<i4")[:seq_len]
+    if sample.teacher_prompt_ids is None:
+        return ids, 0
+    prompt = np.frombuffer(sample.teacher_prompt_ids, dtype="<i4")
+    return np.concatenate([prompt, ids[sample.teacher_prompt_cut :]]), len(prompt) - sample.teacher_prompt_cut
 
 
 def sample_arrays(sample: Sample) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -263,6 +287,17 @@ def _validate_sample(sample: Sample, where: str) -> None:
             raise WireError(f"{where}: teacher logprobs must be finite and not positive")
     if sample.teacher_top_k or sample.teacher_top_ids is not None or sample.teacher_top_logprobs is not None:
         _validate_teacher_top(sample, int(np.count_nonzero(np.frombuffer(sample.loss_mask, dtype=np.uint8))), where)
+    if sample.teacher_prompt_ids is not None:
+        cut = sample.teacher_prompt_cut
+        if len(sample.teacher_prompt_ids) % 4 or not len(sample.teacher_prompt_ids):
+            raise WireError(f"{where}: teacher_prompt_ids must be a non-empty int32 buffer")
+        if not 0 < cut < n or np.frombuffer(sample.loss_mask, dtype=np.uint8)[:cut].any():
+            raise WireError(f"{where}: teacher_prompt_cut {cut} must lie inside the sample's first prompt "
+                            f"(below its first trained token, of {n} tokens)")
+        if sample.teacher_logprobs is not None:
+            raise WireError(f"{where}: carries both a served teacher's logprobs and a teacher prompt for the trainer's")
+    elif sample.teacher_prompt_cut:
+        raise WireError(f"{where}: teacher_prompt_cut {sample.teacher_prompt_cut} without teacher_prompt_ids")
     if not (math.isfinite(sample.advantage) and math.isfinite(sample.reward)):
         raise WireError(f"{where}: advantage and reward must be finite")
     if sample.trace_id is not None and not (0 < len(sample.trace_id) <= MAX_ID_CHARS and sample.trace_id.isprintable()):
@@ -296,12 +331,13 @@ def _validate_values(samples: list[tuple[str, Sample]], vocab_size: int | None) 
     """Token ids and logprobs of the whole batch at once: one numpy pass over the joined
     buffers (a pass per sample costs more than the decode); only a failure looks for the
     sample to name."""
-    ids = np.frombuffer(b"".join(s.input_ids + (s.teacher_top_ids or b"") for _, s in samples), dtype="<i4")
+    ids = np.frombuffer(b"".join(s.input_ids + (s.teacher_top_ids or b"") + (s.teacher_prompt_ids or b"") for _, s in samples),
+                        dtype="<i4")
     logprobs = np.frombuffer(b"".join(s.inference_logprobs for _, s in samples), dtype="<f4")
     high = np.iinfo(np.int32).max if vocab_size is None else vocab_size - 1
     if ids.min() < 0 or ids.max() > high:
         for where, sample in samples:
-            bad = np.frombuffer(sample.input_ids + (sample.teacher_top_ids or b""), dtype="<i4")
+            bad = np.frombuffer(sample.input_ids + (sample.teacher_top_ids or b"") + (sample.teacher_prompt_ids or b""), dtype="<i4")
             bad = bad[(bad < 0) | (bad > high)]
             if len(bad):
                 vocab = "" if vocab_size is None else f" (the model's embedding has {vocab_size} rows)"

@@ -11,6 +11,11 @@ teacher's scores fill (``MicroTensors.teacher_logprobs`` and, with ``top_k``, it
 every loss token), with the same numerics: raw logits (temperature 1), normalised in
 float32. From there the loss and the metrics are the same code for both placements.
 
+Context distillation: samples that carry the teacher's own first prompt
+(``Sample.teacher_prompt_ids``) are scored as the teacher sees them, that prompt in place of
+the student's, on rows of their own laid out as the student's are; each sampled token's
+scores are then read at its position shifted by the prompts' difference in length.
+
 ``load_teacher`` refuses in one line a teacher whose tokenizer encodes a probe text other
 than the student's, or whose vocabulary differs in size (its ids index the student's).
 """
@@ -18,12 +23,15 @@ than the student's, or whose vocabulary differs in size (its ids index the stude
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
+import numpy as np
 import torch
 from torch import nn
 
 from prime_rl.chat import probe_text
 from prime_rl.config import ModelConfig
+from prime_rl.wire import MicroBatch, make_sample, sample_arrays, teacher_view
 from trainer.data import MicroTensors
 from trainer.head import install_token_head
 from trainer.model import DTYPES, World, attention_implementation, forward_logits
@@ -61,15 +69,39 @@ def load_teacher(path: str, cfg: ModelConfig, world: World, student: nn.Module) 
 
 
 @torch.no_grad()
-def score(teacher: nn.Module, mt: MicroTensors, top_k: int) -> MicroTensors:
+def score(teacher: nn.Module, mt: MicroTensors, top_k: int, micro: MicroBatch | None = None,
+          lay_out: Callable[[MicroBatch, int], MicroTensors] | None = None) -> MicroTensors:
     """``mt`` with the teacher's logprob of every loss token ([B, T], 0 elsewhere) and, with
-    ``top_k``, its K most likely tokens at each ([N, K], in ``head_query``'s order)."""
+    ``top_k``, its K most likely tokens at each ([N, K], in ``head_query``'s order). ``micro``
+    is ``mt``'s samples; when some carry a teacher prompt, their teacher's view is laid out by
+    ``lay_out(micro, seq_len)`` (``collate`` as the student's rows are) and scored there."""
+    if micro is None or all(s.teacher_prompt_ids is None for s in micro.samples):
+        return dataclasses.replace(mt, **teacher_scores(teacher, mt, top_k))
+    views, offsets = [], []
+    for sample in micro.samples:
+        ids, offset = teacher_view(sample, mt.input_ids.shape[1])
+        _, mask, _ = sample_arrays(sample)
+        mask = mask[: mt.input_ids.shape[1]]
+        shifted = np.zeros(len(ids), dtype=np.uint8)
+        shifted[np.flatnonzero(mask) + offset] = 1
+        views.append(make_sample(ids, shifted, np.zeros(len(ids), dtype=np.float32), advantage=0.0, reward=0.0,
+                                 policy_version=0, example_id=sample.example_id))
+        offsets.append(offset)
+    seen = lay_out(MicroBatch(views), max(len(sample_arrays(v)[0]) for v in views))
+    scores = teacher_scores(teacher, seen, top_k)
+    logprobs = torch.zeros_like(mt.inference_logprobs)
+    for b, offset in enumerate(offsets):  # the same tokens, in the same order, moved by `offset`
+        where = torch.nonzero(mt.loss_mask[b]).squeeze(-1)
+        logprobs[b, where] = scores["teacher_logprobs"][b, where + offset]
+    return dataclasses.replace(mt, **{**scores, "teacher_logprobs": logprobs})
+
+
+def teacher_scores(teacher: nn.Module, mt: MicroTensors, top_k: int) -> dict[str, torch.Tensor | None]:
+    """The teacher's scores of ``mt``'s loss tokens on ``mt``'s own rows, as ``MicroTensors`` fields."""
     query = dataclasses.replace(mt.head_query(1.0), top_ids=None, top_logprobs=None, top_k=top_k, entropy=False)
     scores = forward_logits(teacher, mt.model_ids, mt.model_mask, mt.model_positions, mt.cu_seqlens, mt.max_seqlen,
                             query=query)
     logprobs = torch.zeros_like(mt.inference_logprobs)
     logprobs[:, 1:][mt.loss_mask[:, 1:]] = scores["logprobs"]
-    if not top_k:
-        return dataclasses.replace(mt, teacher_logprobs=logprobs)
-    return dataclasses.replace(mt, teacher_logprobs=logprobs, teacher_top_ids=scores["top_ids"],
-                               teacher_top_logprobs=scores["top_logprobs"])
+    return {"teacher_logprobs": logprobs, "teacher_top_ids": scores["top_ids"] if top_k else None,
+            "teacher_top_logprobs": scores["top_logprobs"] if top_k else None}

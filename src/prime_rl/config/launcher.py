@@ -143,9 +143,6 @@ class TeacherConfig(StrictModel):
             raise ValueError("teacher: set `system_prompt` or `system_prompt_file`, not both")
         if self.placement == "trainer" and self.model is None:
             raise ValueError('teacher.placement = "trainer" loads `model` in the trainer; an endpoint is served elsewhere (placement = "server")')
-        if self.placement == "trainer" and (self.system_prompt is not None or self.system_prompt_file is not None):
-            raise ValueError('teacher.placement = "trainer" scores the student\'s own tokens; context distillation '
-                             '(`system_prompt`) needs the teacher\'s rendering of each prompt: use placement = "server"')
         return self
 
     @property

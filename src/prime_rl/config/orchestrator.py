@@ -238,6 +238,9 @@ class OrchestratorConfig(StrictModel):
     teacher: TeacherClientConfig | None = None
     """The teacher that scores every sampled token for distillation (filled from `[teacher]`); None = none."""
 
+    teacher_system_prompt: str | None = None
+    """Context distillation with the teacher in the trainer (`[teacher] placement = "trainer"` with a system prompt; filled by the launcher): every sample also carries its first prompt as the teacher sees it, under this system message. A served teacher's (`teacher.system_prompt`) is rendered for its requests instead."""
+
     wandb: WandbConfig | None = None
     """W&B logging; off when absent."""
 
@@ -252,4 +255,6 @@ class OrchestratorConfig(StrictModel):
             raise ValueError(
                 f"batch_size ({self.batch_size}) must be at least num_trainer_ranks ({self.num_trainer_ranks}): every rank needs a sample"
             )
+        if self.teacher is not None and self.teacher_system_prompt is not None:
+            raise ValueError("teacher_system_prompt is for a teacher in the trainer; a served teacher's is teacher.system_prompt")
         return self

@@ -38,6 +38,7 @@ GPUs, an allowance for vLLM's own activations and CUDA graphs, and what
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass
@@ -213,9 +214,14 @@ class TrainerMemory:
     step_bytes: int
     """A step's peak on top of ``weights + optimizer``: gradients, activations and what is in flight."""
 
+    teacher: int = 0
+    """A distillation teacher's weights in the compute dtype, whole on every rank (`[teacher]
+    placement = "trainer"`; its forward's transients come and go before the student's, whose
+    peak is larger)."""
+
     @property
     def total(self) -> int:
-        return self.weights + self.optimizer + self.step_bytes
+        return self.weights + self.optimizer + self.step_bytes + self.teacher
 
 
 def layer_activation_bytes(shape: ModelShape, compute: int) -> int:
@@ -385,13 +391,20 @@ def estimate_run(config: RLConfig, device: str, gpu_bytes: int | None) -> RunEst
         return RunEstimate([f"memory estimate skipped: {source}"], [])
     s = trainer_setting(config, device, shape)
     t = trainer_memory(shape, s)
+    teacher = ""
+    if config.trainer.teacher_model is not None:
+        teacher_shape, teacher_source = model_shape(config.trainer.teacher_model)
+        if teacher_shape is None:
+            return RunEstimate([f"memory estimate skipped: the teacher's {teacher_source}"], [])
+        t = dataclasses.replace(t, teacher=teacher_shape.params * DTYPE_BYTES[s.compute_dtype])
+        teacher = f" + the teacher {gib(t.teacher)} ({count(teacher_shape.params)}, {s.compute_dtype})"
     how = (f"{s.compute_dtype} compute, float32 masters, {'activation checkpointing' if s.checkpointing else 'no activation checkpointing'}, "
            f"micro-batches of {s.micro_batch_tokens:,} tokens" + (", LoRA" if s.trainable_params is not None else ""))
     lines = [
         f"memory estimate for {name} ({count(shape.params)} parameters; shape from {source}):",
         f"  trainer rank (1 of {s.ranks}; {how}): {gib(t.total)} = weights {gib(t.weights)} + AdamW {gib(t.optimizer)} "
         f"+ a step's peak {gib(t.step_bytes)} (gradients {gib(t.gradients)}, activations kept {gib(t.activations)}, "
-        f"{t.activations / s.micro_batch_tokens / 1024:,.0f} KiB a token)",
+        f"{t.activations / s.micro_batch_tokens / 1024:,.0f} KiB a token){teacher}",
     ]
     if device != "cuda":
         return RunEstimate(lines, [])

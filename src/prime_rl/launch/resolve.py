@@ -39,7 +39,7 @@ from prime_rl.config import (
 from prime_rl.endpoints import Endpoint, load_endpoints
 from prime_rl.launch.deployment import Placement, PlacementError
 from prime_rl.launch.ports import Binding, port_problems
-from prime_rl.launch.teacher import teacher_client
+from prime_rl.launch.teacher import teacher_client, teacher_system_prompt
 from prime_rl.registry import PASS_PARSER, declares_tools, tool_parser_problem
 from prime_rl.rundir import weights_step_dir
 from prime_rl.settings import ConfigError
@@ -76,6 +76,7 @@ def resolve(config: RLConfig) -> RLConfig:
     # job's resolved config), or with placement = "trainer" the trainer's own teacher.
     if config.teacher is not None and config.teacher.placement == "trainer":
         config.trainer.teacher_model = config.teacher.model
+        orchestrator.teacher_system_prompt = teacher_system_prompt(config.teacher)
     elif config.teacher is not None and orchestrator.teacher is None:
         orchestrator.teacher = teacher_client(config)
     return config
