@@ -9,12 +9,14 @@ with. Then, for seeds 0 .. repeats - 1, the modes alternating within a seed:
 
 - ``rl``: `rl.toml` for ``rl_steps`` steps, as the quickstart runs it;
 - ``distill``: pure distillation as shipped (`configs/reverse-text/distill.toml` over
-  `rl.toml`: reward_weight 0, the top-20 reverse KL, one rollout of each of 256 prompts, lr
-  2e-3) with the teacher in the trainer (`teacher.placement = "trainer"`), ``distill_steps``;
-- ``mix``: the same with reward_weight 1 and 4 rollouts an example.
+  `rl.toml`: reward_weight 0, the top-20 reverse KL, 4 rollouts of each of 64 prompts, lr
+  2e-3, the teacher in the trainer), ``distill_steps``;
+- ``distill-x1``: the same with one rollout of each of 256 prompts (the recipe before: more
+  prompts a step, which neither vLLM nor the trainer can share);
+- ``mix``: ``distill`` with reward_weight 1.
 
-Last, the cost of a step with the teacher served by vLLM instead (`placement = "server"`, the
-``distill`` config, ``served_steps`` steps, seed 0). The target is RL's final reward: the
+Last, the cost of a step with the teacher served by vLLM instead (``distill-x1`` with
+`placement = "server"`, ``served_steps`` steps, seed 0), beside ``distill-x1``'s. The target is RL's final reward: the
 median over the RL seeds of each run's last-5-step mean. Per run: the step and the seconds
 from the command's start at which the 5-step mean reward first reaches it, RL's seconds to its
 last step, and per step the seconds, the orchestrator's wait for its rollouts
@@ -41,11 +43,14 @@ DISTILL = (CONFIG, "configs/reverse-text/distill.toml")
 IN_TRAINER = ["--teacher.placement", "trainer"]
 MODES = {
     "rl": (CONFIG, []),
-    "distill": (DISTILL, IN_TRAINER),
-    "mix": (DISTILL, [*IN_TRAINER, "--trainer.loss.distill.reward-weight", "1", "--rollouts-per-example", "4"]),
+    "distill": (DISTILL, [*IN_TRAINER, "--rollouts-per-example", "4"]),
+    "distill-x1": (DISTILL, [*IN_TRAINER, "--rollouts-per-example", "1"]),
+    "mix": (DISTILL, [*IN_TRAINER, "--rollouts-per-example", "4", "--trainer.loss.distill.reward-weight", "1"]),
 }
-"""Each mode's configs and flags (the teacher's folder is added to the distillation modes)."""
-SERVED = "distill (served teacher)"
+"""Each mode's configs and flags, the shipped values named too so that a stored result stays
+what it says when the shipped config changes (the teacher's folder is added to every one)."""
+DEFAULT_MODES = tuple(MODES)
+SERVED = "distill-x1, served teacher"
 
 
 @dataclass(frozen=True)
@@ -75,11 +80,12 @@ def one_run(configs, model: Path, out: Path, flags: list[str], system: str) -> d
             "teacher_s": teacher, "reverse_kl": [r.get("loss/reverse_kl") for r in trainer]}
 
 
-def measure(plan: Plan, out: Path) -> dict:
+def measure(plan: Plan, out: Path, modes: tuple[str, ...] = DEFAULT_MODES, served: bool = True) -> dict:
     started = time.time()
     sft = prepare_model(Recipe())
-    one_run(CONFIG, sft, out / "teacher", ["--max-steps", str(plan.teacher_steps), "--seed", "0"], "teacher")
     teacher = out / "teacher" / "weights" / f"step_{plan.teacher_steps}"
+    if not (teacher / "STABLE").exists():
+        one_run(CONFIG, sft, out / "teacher", ["--max-steps", str(plan.teacher_steps), "--seed", "0"], "teacher")
     print(f"[distill] teacher: {teacher} ({time.time() - started:.0f} s)", flush=True)
 
     def one(mode: str, seed: int) -> dict:
@@ -93,10 +99,11 @@ def measure(plan: Plan, out: Path) -> dict:
               f"({time.time() - started:.0f} s)", flush=True)
         return run
 
-    runs = alternating(list(MODES), plan.repeats, one)
-    runs[SERVED] = [one_run(DISTILL, sft, out / "served", ["--max-steps", str(plan.served_steps), "--seed", "0",
-                                                           "--teacher.model", str(teacher), "--teacher.port", str(free_port())],
-                            SERVED)]
+    runs = alternating(list(modes), plan.repeats, one)
+    if served:
+        flags = ["--max-steps", str(plan.served_steps), "--seed", "0", "--teacher.model", str(teacher),
+                 "--rollouts-per-example", "1", "--teacher.placement", "server", "--teacher.port", str(free_port())]
+        runs[SERVED] = [one_run(DISTILL, sft, out / "served", flags, SERVED)]
     return {"runs": runs, "minutes": (time.time() - started) / 60, "plan": plan.__dict__}
 
 
@@ -136,11 +143,11 @@ def summarize(result: dict) -> dict:
     rl = figures["rl"]
     rl_steps, rl_s, rl_step_s = result["plan"]["rl_steps"], rl["time_to_last_step_s"]["median"], rl["orchestrator_s_per_step"]["median"]
     ratios = {}
-    for mode in ("distill", "mix"):
+    for mode in (m for m in figures if m not in ("rl", SERVED)):
         steps, seconds = figures[mode]["steps_to_target"]["median"], figures[mode]["time_to_target_s"]["median"]
         ratios[f"{mode}: steps to RL's final reward / RL's steps"] = None if steps is None else steps / rl_steps
         ratios[f"{mode}: time to RL's final reward / RL's time"] = None if seconds is None or not rl_s else seconds / rl_s
-    for mode in ("distill", SERVED):
+    for mode in (m for m in figures if m != "rl"):  # a step's generation: RL's step, which generation bounds here
         teacher = figures[mode]["teacher_s_per_step"]["median"]
         ratios[f"{mode}: teacher's seconds a step / RL's seconds a step"] = None if teacher is None or not rl_step_s else teacher / rl_step_s
     return {"target": target, "figures": figures, "ratios": ratios}
@@ -152,10 +159,11 @@ def section(result: dict, summary: dict) -> list[str]:
     lines = [
         f"On-policy distillation against RL (`benchmarks/distill.py`), {plan['repeats']} seed(s) a mode, alternating. Student: "
         f"the quickstart's SFT model; teacher: the quickstart's RL run continued to step {plan['teacher_steps']}. `rl` = "
-        f"`{CONFIG}`, {plan['rl_steps']} steps; `distill` = `{DISTILL[1]}` over it with the teacher in the trainer "
-        "(reward_weight 0, the top-20 reverse KL, 1 rollout of each of 256 prompts, lr 2e-3) and `mix` = the same with "
-        f"reward_weight 1 and 4 rollouts an example, {plan['distill_steps']} steps each; `{SERVED}` = `distill` with the "
-        f"teacher in a vLLM server of its own, {plan['served_steps']} steps, for its cost a step. The target is RL's final "
+        f"`{CONFIG}`, {plan['rl_steps']} steps; `distill` = `{DISTILL[1]}` over it as shipped (reward_weight 0, the "
+        "top-20 reverse KL, 4 rollouts of each of 64 prompts, lr 2e-3, the teacher in the trainer), `distill-x1` = the "
+        "same with 1 rollout of each of 256 prompts, `mix` = `distill` with reward_weight 1, "
+        f"{plan['distill_steps']} steps each; `{SERVED}` = `distill-x1` with the teacher in a vLLM server of its own, "
+        f"{plan['served_steps']} steps, for its cost a step. The target is RL's final "
         f"reward, {summary['target']:.3f} (the median over RL's seeds of each run's last-5-step mean); times are seconds "
         "from the command's start; median [min, max] over seeds.", "",
         "| figure | " + " | ".join(modes) + " |", "|---|" + "---|" * len(modes),
@@ -174,7 +182,7 @@ def plot(result: dict, target: float, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(12, 4.2))
-    colors = {"rl": "tab:blue", "distill": "tab:orange", "mix": "tab:green", SERVED: "tab:red"}
+    colors = {"rl": "tab:blue", "distill": "tab:orange", "distill-x1": "tab:purple", "mix": "tab:green", SERVED: "tab:red"}
     for mode, runs in result["runs"].items():
         for i, run in enumerate(runs):
             label = mode if i == 0 else None
@@ -196,13 +204,20 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a few steps, 1 seed: a smoke run (results under outputs/bench/)")
     parser.add_argument("--repeats", type=int, default=None, help="seeds a mode (default 3)")
+    parser.add_argument("--add", nargs="+", choices=list(MODES), default=None,
+                        help="run these modes only, with the stored result's teacher, and add them to (or replace them in) it")
     args = parser.parse_args(argv)
     plan = QUICK if args.quick else FULL
     if args.repeats:
         plan = Plan(**{**plan.__dict__, "repeats": args.repeats})
     results = WORK / "results" if args.quick else RESULTS
     results.mkdir(parents=True, exist_ok=True)
-    result = measure(plan, WORK / "distill")
+    if args.add:
+        stored = json.loads((results / "distill.json").read_text())["distill"]
+        added = measure(plan, WORK / "distill", tuple(args.add), served=False)
+        result = {**stored, "runs": {**stored["runs"], **added["runs"]}, "minutes": stored["minutes"] + added["minutes"]}
+    else:
+        result = measure(plan, WORK / "distill")
     summary = summarize(result)
     plot(result, summary["target"], results / "distill.png")
     mode = (f"{'quick' if args.quick else 'full'}: teacher {plan.teacher_steps} RL steps, RL {plan.rl_steps}, "

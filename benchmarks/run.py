@@ -494,6 +494,15 @@ def targets(results: Path) -> list[tuple[str, float | None, bool | None]]:
     if "long-tail-disjoint" in batching:
         rows.append(("disjoint cores, long-tailed multi-turn: continuous batching >= 1.3x the rollouts/s of the step barrier",
                      batching["long-tail-disjoint"]["ratios"].get("rollouts_per_s continuous/step"), lambda v: v >= 1.3))
+    if distill := load("distill").get("distill"):  # issue 40's, medians over seeds
+        ratios = distill.get("ratios", {})
+        for mode in (m for m in ("distill", "distill-x1", "mix") if m in distill.get("figures", {})):
+            rows += [(f"distillation ({mode}): steps to RL's 120-step reward <= 1/3 of RL's steps",
+                      ratios.get(f"{mode}: steps to RL's final reward / RL's steps"), lambda v: v <= 1 / 3),
+                     (f"distillation ({mode}): time to RL's 120-step reward <= 1/2 of RL's time",
+                      ratios.get(f"{mode}: time to RL's final reward / RL's time"), lambda v: v <= 0.5)]
+        rows.append(("distillation (as shipped): the teacher's seconds a step <= 0.5x a step's generation (RL's seconds a step)",
+                     ratios.get("distill: teacher's seconds a step / RL's seconds a step"), lambda v: v <= 0.5))
     if traces := load("traces").get("traces"):
         rows.append(("rollout traces: their work < 2% of a quickstart step (issue 37)", traces["share_of_step"], lambda v: v < 0.02))
     for name, result in batching.items():
