@@ -220,8 +220,9 @@ def train_step(
     pad_id = getattr(model.config, "pad_token_id", None) or 0
     varlen = uses_varlen(model) and cfg.pack
     share = cfg.share_prefix and not varlen
+    lay_out = lambda m, seq_len: collate(m, seq_len, pad_id, world.device, share, cfg.pack, varlen)  # noqa: E731
     raw = micro_batches(batch, cfg.seq_len, cfg.micro_batch_tokens, share)
-    micros = [collate(m, cfg.seq_len, pad_id, world.device, share, cfg.pack, varlen) for m in raw]
+    micros = [lay_out(m, cfg.seq_len) for m in raw]  # the teacher's views (context distillation) are laid out alike
     check_teacher(micros, cfg.loss.distill, batch.step, in_trainer=teacher is not None)
     # Step-wide normalisers, identical on every rank. Position 0 is never scored (no prefix).
     local_tokens = sum(loss_token_count(m, cfg.loss.denominator, cfg.loss.distill) for m in micros)
@@ -235,7 +236,6 @@ def train_step(
             mt = micros[i]
             if teacher is not None:
                 t0 = time.perf_counter()
-                lay_out = lambda m, seq_len: collate(m, seq_len, pad_id, world.device, share, cfg.pack, varlen)  # noqa: E731
                 mt = teacher_score(teacher, mt, cfg.loss.distill.top_k, raw[i], lay_out)
                 teacher_s += time.perf_counter() - t0
             sums += micro_step(model, mt, batch.temperature, cfg.loss, num_tokens, world.world_size, traced)

@@ -77,22 +77,20 @@ def score(teacher: nn.Module, mt: MicroTensors, top_k: int, micro: MicroBatch | 
     ``lay_out(micro, seq_len)`` (``collate`` as the student's rows are) and scored there."""
     if micro is None or all(s.teacher_prompt_ids is None for s in micro.samples):
         return dataclasses.replace(mt, **teacher_scores(teacher, mt, top_k))
-    views, offsets = [], []
+    views, moved = [], []  # each sample's view, and its sampled tokens' positions in mt and in the view
     for sample in micro.samples:
         ids, offset = teacher_view(sample, mt.input_ids.shape[1])
-        _, mask, _ = sample_arrays(sample)
-        mask = mask[: mt.input_ids.shape[1]]
+        where = np.flatnonzero(sample_arrays(sample)[1][: mt.input_ids.shape[1]])
         shifted = np.zeros(len(ids), dtype=np.uint8)
-        shifted[np.flatnonzero(mask) + offset] = 1
+        shifted[where + offset] = 1
         views.append(make_sample(ids, shifted, np.zeros(len(ids), dtype=np.float32), advantage=0.0, reward=0.0,
                                  policy_version=0, example_id=sample.example_id))
-        offsets.append(offset)
-    seen = lay_out(MicroBatch(views), max(len(sample_arrays(v)[0]) for v in views))
+        moved.append((torch.from_numpy(where), torch.from_numpy(where + offset)))
+    seen = lay_out(MicroBatch(views), max(len(v.input_ids) // 4 for v in views))  # int32 ids
     scores = teacher_scores(teacher, seen, top_k)
     logprobs = torch.zeros_like(mt.inference_logprobs)
-    for b, offset in enumerate(offsets):  # the same tokens, in the same order, moved by `offset`
-        where = torch.nonzero(mt.loss_mask[b]).squeeze(-1)
-        logprobs[b, where] = scores["teacher_logprobs"][b, where + offset]
+    for b, (here, there) in enumerate(moved):  # the same tokens, in the same order, moved
+        logprobs[b, here.to(logprobs.device)] = scores["teacher_logprobs"][b, there.to(logprobs.device)]
     return dataclasses.replace(mt, **{**scores, "teacher_logprobs": logprobs})
 
 
