@@ -28,6 +28,7 @@ import numpy as np
 from prime_rl.chat import probe_text
 from prime_rl.config import TeacherClientConfig
 from prime_rl.envs import Rollout, Turn
+from prime_rl.wire import in_teacher_prompt
 
 from orchestrator.batch import ScoredRollout, rollout_tokens, sample_turns
 from orchestrator.client import InferenceError, TeacherClient
@@ -182,5 +183,5 @@ def teacher_sequence(turns: list[Turn], ids: np.ndarray) -> tuple[list[int], int
     first = turns[0]
     if first.teacher_prompt_ids is None:
         return [int(t) for t in ids], 0
-    cut = len(first.prompt_ids)
-    return [*first.teacher_prompt_ids, *(int(t) for t in ids[cut:])], len(first.teacher_prompt_ids) - cut
+    sequence, offset = in_teacher_prompt(ids, first.teacher_prompt_ids, len(first.prompt_ids))
+    return sequence.tolist(), offset

@@ -187,13 +187,19 @@ def teacher_top_arrays(sample: Sample) -> tuple[np.ndarray, np.ndarray] | None:
 
 def teacher_view(sample: Sample, seq_len: int | None = None) -> tuple[np.ndarray, int]:
     """(the token ids the teacher scores for ``sample`` cut at ``seq_len``, how far each of the
-    sample's positions moves in them): its own ids, or with a teacher prompt that prompt in
-    place of the first ``teacher_prompt_cut`` tokens."""
+    sample's positions moves in them): its own ids, or with a teacher prompt ``in_teacher_prompt``."""
     ids = np.frombuffer(sample.input_ids, dtype="<i4")[:seq_len]
     if sample.teacher_prompt_ids is None:
         return ids, 0
-    prompt = np.frombuffer(sample.teacher_prompt_ids, dtype="<i4")
-    return np.concatenate([prompt, ids[sample.teacher_prompt_cut :]]), len(prompt) - sample.teacher_prompt_cut
+    return in_teacher_prompt(ids, np.frombuffer(sample.teacher_prompt_ids, dtype="<i4"), sample.teacher_prompt_cut)
+
+
+def in_teacher_prompt(ids: np.ndarray, prompt: np.ndarray | list[int], cut: int) -> tuple[np.ndarray, int]:
+    """Context distillation: ``ids`` with the teacher's first ``prompt`` in place of their first
+    ``cut`` tokens (the student's first prompt), and how far each later position moves. Both
+    placements score this: the orchestrator asks a served teacher for it, the trainer's
+    teacher lays it out (``teacher_view``)."""
+    return np.concatenate([np.asarray(prompt, dtype="<i4"), np.asarray(ids, dtype="<i4")[cut:]]), len(prompt) - cut
 
 
 def sample_arrays(sample: Sample) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
