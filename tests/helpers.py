@@ -510,6 +510,24 @@ def remove_cgroup(cgroup: Path) -> None:
             time.sleep(0.05)
 
 
+@contextmanager
+def standalone_server(root: Path, name: str, **settings):
+    """A vLLM server (``inference.server``, as the launcher starts one) with ``settings`` (the
+    inference config's keys; a free port is added), started by a test outside any launcher,
+    its log in ``root/NAME.log``: yields its URL. Stopped after, with no process of it left."""
+    port, tag = free_port(), new_tag()
+    config = root / f"{name}.json"
+    config.write_text(json.dumps({**settings, "port": port}))
+    with server_tmp_env(PRIME_RL_TEST_TAG=tag) as env, (root / f"{name}.log").open("w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "inference.server", "--config", str(config)], stdout=log,
+                                stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            stop_process_group(proc)
+        assert tagged_processes(tag) == [], f"the {name} server's engine process must stop with it"
+
+
 def served_prompt_logprobs(model: Path, root: Path, sequences: list[list[int]]) -> list:
     """Each sequence's prompt logprobs (raw, temperature 1) from a vLLM server of ``model``
     started here as the launcher starts a distillation teacher's (``inference.server``), asked
@@ -520,23 +538,13 @@ def served_prompt_logprobs(model: Path, root: Path, sequences: list[list[int]]) 
 
     from orchestrator.client import TeacherClient
 
-    port, tag = free_port(), new_tag()
-    config = root / "teacher.json"
-    config.write_text(json.dumps({"model": str(model), "port": port, "seq_len": 256, "max_num_seqs": 64}))
-
-    async def ask() -> list:
-        client = TeacherClient(ClientConfig(base_url=f"http://127.0.0.1:{port}", timeout_s=120), str(model))
+    async def ask(url: str) -> list:
+        client = TeacherClient(ClientConfig(base_url=url, timeout_s=120), str(model))
         try:
             await client.wait_healthy(300)
             return [a for i in range(0, len(sequences), 64) for a in await client.prompt_logprobs(sequences[i : i + 64])]
         finally:
             await client.close()
 
-    with server_tmp_env(PRIME_RL_TEST_TAG=tag) as env, (root / "teacher.log").open("w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "inference.server", "--config", str(config)], stdout=log,
-                                stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        try:
-            return asyncio.run(ask())
-        finally:
-            stop_process_group(proc)
-            assert tagged_processes(tag) == [], "the teacher's vLLM must stop with its server"
+    with standalone_server(root, "teacher", model=str(model), seq_len=256, max_num_seqs=64) as url:
+        return asyncio.run(ask(url))

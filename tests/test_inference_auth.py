@@ -23,7 +23,7 @@ from starlette.websockets import WebSocketDisconnect
 from inference.auth import API_KEY_ENV, RequireApiKey
 from orchestrator.client import InferenceClient, InferenceError
 
-from helpers import REPO, free_port, new_tag, stop_process_group, tagged_processes
+from helpers import REPO, free_port, standalone_server
 
 KEY = "sekret"
 ADMIN_ROUTES = ["/collective_rpc", "/pause", "/resume", "/reset_prefix_cache", "/server_info", "/is_paused", "/sleep"]
@@ -191,19 +191,12 @@ def test_the_server_passes_the_key_in_its_environment_not_its_command(monkeypatc
 
 
 @pytest.mark.slow  # the default suite checks the same on the scale-out trio's replicas (test_scale_out)
-def test_real_vllm_refuses_admin_routes_without_the_key(tmp_path, tiny_model, vllm_env):
+def test_real_vllm_refuses_admin_routes_without_the_key(tmp_path, tiny_model):
     """vLLM's own --api-key leaves /collective_rpc and /pause open; with `api_key` set they
     answer 401 without it, and the client (key on every request) finds the server healthy
     and probes it: the same weights score the same, call after call."""
-    port, tag = free_port(), new_tag()
-    config = tmp_path / "inference.json"
-    config.write_text(json.dumps({"model": str(tiny_model), "port": port, "api_key": KEY, "seq_len": 128, "max_num_seqs": 4}))
-    log = (tmp_path / "inference.log").open("w")
-    server = subprocess.Popen([sys.executable, "-m", "inference.server", "--config", str(config)], stdout=log,
-                              stderr=subprocess.STDOUT, env={**vllm_env, "PRIME_RL_TEST_TAG": tag}, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
 
-    async def healthy_then_probe_twice():
+    async def healthy_then_probe_twice(url):
         client = InferenceClient(ClientConfig(base_url=url, api_key=KEY, timeout_s=30), str(tiny_model))
         try:
             await client.wait_healthy(timeout_s=300, poll_s=1)
@@ -211,20 +204,14 @@ def test_real_vllm_refuses_admin_routes_without_the_key(tmp_path, tiny_model, vl
         finally:
             await client.close()
 
-    try:
-        probes = asyncio.run(healthy_then_probe_twice())
+    with standalone_server(tmp_path, "inference", model=str(tiny_model), api_key=KEY, seq_len=128, max_num_seqs=4) as url:
+        probes = asyncio.run(healthy_then_probe_twice(url))
         for path in ("/collective_rpc", "/pause"):
             response = httpx.post(url + path, json={"method": "reload_weights", "kwargs": {"weights_path": "/tmp"}})
             assert response.status_code == 401, (path, response.text)
         assert httpx.get(f"{url}/health").status_code == 401
         assert httpx.get(f"{url}/health", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
         assert probes[0] == probes[1] and math.isfinite(probes[0]) and probes[0] < 0
-    finally:
-        stop_process_group(server)
-        log.close()
-    assert tagged_processes(tag) == [], "vLLM's engine process must stop with the server"
-
-
 
 
 def test_a_run_draws_a_key_for_the_servers_it_starts_when_the_config_names_none(tmp_path):

@@ -4,10 +4,7 @@ vLLM's module started as it is (`inference.cpu_fork = false`, its engine process
 the one real server of the suite that keeps the way out of the fork every other one takes."""
 
 import asyncio
-import contextlib
 import json
-import subprocess
-import sys
 
 import httpx
 import numpy as np
@@ -21,7 +18,7 @@ from orchestrator.batch import ScoredRollout, pack_batches
 from orchestrator.client import FULL_DISTRIBUTION, InferenceClient, cache_salt
 from trainer.loss import policy_loss
 
-from helpers import free_port, new_tag, server_tmp_env, stop_process_group, tagged_processes
+from helpers import standalone_server
 
 PROMPT = [257, *b"user\nsay something long", 258, 257, *b"assistant\n"]
 # Tokens of the completion a reload interrupts: long enough that the engine is still in it
@@ -39,32 +36,17 @@ def other_weights(other_tiny_model):
 
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory):
-    root, stack = tmp_path_factory.mktemp("vllm"), contextlib.ExitStack()
-    port, tag = free_port(), new_tag()
-    config = root / "inference.json"
-    config.write_text(json.dumps({"model": str(tiny_model), "port": port, "seq_len": SEQ_LEN, "max_num_seqs": 8,
-                                  "cpu_fork": False}))
-    log = (root / "inference.log").open("w")
-    env = stack.enter_context(server_tmp_env(PRIME_RL_TEST_TAG=tag))
-    proc = subprocess.Popen([sys.executable, "-m", "inference.server", "--config", str(config)], stdout=log,
-                            stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-
-    async def healthy():
+    async def healthy(url):
         client = InferenceClient(ClientConfig(base_url=url, timeout_s=60), str(tiny_model))
         try:
             await client.wait_healthy(timeout_s=300, poll_s=1)
         finally:
             await client.close()
 
-    try:
-        asyncio.run(healthy())
+    root = tmp_path_factory.mktemp("vllm")
+    with standalone_server(root, "inference", model=str(tiny_model), seq_len=SEQ_LEN, max_num_seqs=8, cpu_fork=False) as url:
+        asyncio.run(healthy(url))
         yield url
-    finally:
-        stop_process_group(proc)
-        log.close()
-        stack.close()
-        assert tagged_processes(tag) == [], "vLLM's engine process must stop with the server"
 
 
 def stream_body(model, max_tokens, salt, prompt=PROMPT):
