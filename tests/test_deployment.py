@@ -46,10 +46,12 @@ def test_eight_gpus_split_four_and_four(tmp_path):
     assert cfg.orchestrator.client.base_url == [f"http://127.0.0.1:{9000 + i}" for i in range(4)]
 
 
-def test_memory_mode_gives_every_process_the_transfer_group_and_its_server_the_engine(tmp_path):
+def test_memory_mode_gives_every_process_the_transfer_group_and_its_server_the_engine(tmp_path, monkeypatch):
     """`[weight_transfer] mode = "memory"`: the group counts every replica's workers, vLLM is
     started with this project's transfer engine (the teacher's is not: its weights never
-    change), the trainer gets a private TMPDIR for the group's store; without it nothing changes."""
+    change), the trainer gets a private TMPDIR for the group's store; on GPUs the NCCL group's
+    sockets stay on loopback (a user's own NCCL_SOCKET_IFNAME wins); without it nothing changes."""
+    monkeypatch.delenv("NCCL_SOCKET_IFNAME", raising=False)
     cfg = with_teacher(inference={"tensor_parallel_size": 1}, weight_transfer={"mode": "memory"})
     assert cfg.trainer.weight_transfer.workers == cfg.orchestrator.weight_transfer.workers == 2
     placement = plan_single_node(cfg, gpus_available=6)
@@ -58,6 +60,11 @@ def test_memory_mode_gives_every_process_the_transfer_group_and_its_server_the_e
     assert flag(vllm_command(replica, cpu=False), "--weight-transfer-config") == '{"backend": "prime_rl_nccl"}'
     assert flag(vllm_command(replica, cpu=True), "--weight-transfer-config") == '{"backend": "prime_rl"}'
     assert "--weight-transfer-config" not in vllm_command(teacher_server(cfg, placement.teacher), cpu=False)
+    on_gpus = {s.name: s.env for s in specs_of(cfg, tmp_path / "gpus", placement)}
+    assert {n for n, env in on_gpus.items() if env.get("NCCL_SOCKET_IFNAME") == "lo"} == {"inference-0", "inference-1", "trainer"}
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "ib0")
+    assert not any("NCCL_SOCKET_IFNAME" in s.env for s in specs_of(cfg, tmp_path / "own", placement))
+    monkeypatch.delenv("NCCL_SOCKET_IFNAME")
     one_rank = config(weight_transfer={"mode": "memory"})
     specs = {s.name: s for s in specs_of(one_rank, tmp_path, plan_single_node(one_rank, gpus_available=0))}
     assert specs["trainer"].tmp_dir_env == "TMPDIR"
@@ -65,6 +72,9 @@ def test_memory_mode_gives_every_process_the_transfer_group_and_its_server_the_e
     assert "--weight-transfer-config" not in vllm_command(directory.inference, cpu=True)
     specs = {s.name: s for s in specs_of(directory, tmp_path / "d", plan_single_node(directory, gpus_available=0))}
     assert specs["trainer"].tmp_dir_env is None
+    assert not any("NCCL_SOCKET_IFNAME" in s.env for s in specs_of(one_rank, tmp_path / "cpu", plan_single_node(one_rank, 0)))
+    gpu_directory = with_teacher(inference={"tensor_parallel_size": 1})
+    assert not any("NCCL_SOCKET_IFNAME" in s.env for s in specs_of(gpu_directory, tmp_path / "g", plan_single_node(gpu_directory, 6)))
     cfg = config(deployment={"inference_gpus": 4, "trainer_gpus": 2}, inference={"tensor_parallel_size": 2},
                  weight_transfer={"mode": "memory"})
     assert cfg.orchestrator.weight_transfer.workers == 4  # 2 replicas x 2 GPUs

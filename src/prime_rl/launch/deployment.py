@@ -312,7 +312,16 @@ def replica_specs(config: RLConfig, run_dir: Path, plan: NodePlan, multi: bool) 
 
 def replica_spec(config: RLConfig, run_dir: Path, replica: Replica, python: str, multi: bool) -> ProcessSpec:
     name = f"inference-{replica.index}" if multi else "inference"
-    return server_spec(run_dir, name, replica_inference(config, replica), replica.gpus, python)
+    return server_spec(run_dir, name, replica_inference(config, replica), replica.gpus, python, transfer_env(config, replica.gpus))
+
+
+def transfer_env(config: RLConfig, gpus: tuple[int, ...]) -> dict[str, str]:
+    """Memory mode on GPUs (one node: ``RLConfig`` refuses it across nodes): the NCCL transfer
+    group's bootstrap sockets on loopback, as gloo's are (NCCL picks a network interface
+    otherwise). An NCCL_SOCKET_IFNAME of the launcher's own environment is left to win."""
+    if config.trainer.weight_transfer.mode != "memory" or not gpus or "NCCL_SOCKET_IFNAME" in os.environ:
+        return {}
+    return {"NCCL_SOCKET_IFNAME": "lo"}
 
 
 def teacher_spec(config: RLConfig, run_dir: Path, teacher: Replica, python: str) -> ProcessSpec:
@@ -330,14 +339,15 @@ def teacher_server(config: RLConfig, teacher: Replica) -> InferenceConfig:
     return teacher_inference(config).model_copy(update={"tensor_parallel_size": max(1, len(teacher.gpus))})
 
 
-def server_spec(run_dir: Path, name: str, inference: InferenceConfig, gpus: tuple[int, ...], python: str) -> ProcessSpec:
+def server_spec(run_dir: Path, name: str, inference: InferenceConfig, gpus: tuple[int, ...], python: str,
+                env: dict[str, str] | None = None) -> ProcessSpec:
     """A vLLM server (`inference.server`) on ``gpus``, its config in RUN/configs/<name>.json; a
     server, not required to exit (the run ends when its other processes are done), its IPC
     temporary files (IPC sockets, its init file) in a directory of its own that the launcher
     removes after it (``TMP_DIR_ENV``)."""
     path = write_config(run_dir, name, inference.model_dump(mode="json"))
     return ProcessSpec(name, [python, "-m", "inference.server", "--config", str(path)],
-                       env={**server_env(), **visible(gpus)}, required=False, tmp_dir_env=TMP_DIR_ENV)
+                       env={**server_env(), **visible(gpus), **(env or {})}, required=False, tmp_dir_env=TMP_DIR_ENV)
 
 
 def trainer_spec(config: RLConfig, run_dir: Path, placement: Placement, plan: NodePlan, python: str, job_id: str) -> ProcessSpec:
@@ -354,7 +364,7 @@ def trainer_spec(config: RLConfig, run_dir: Path, placement: Placement, plan: No
                "--rdzv-backend=c10d", f"--rdzv-endpoint={t.rdzv_endpoint}", f"--rdzv-id={job_id or 'prime-rl'}", *cmd[1:]]
     elif t.nproc_per_node > 1:
         cmd = [python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={t.nproc_per_node}", *cmd[1:]]
-    env = {**QUIET, "OMP_NUM_THREADS": str(config.trainer.num_threads), **visible(t.gpus)}
+    env = {**QUIET, "OMP_NUM_THREADS": str(config.trainer.num_threads), **visible(t.gpus), **transfer_env(config, t.gpus)}
     # A private TMPDIR the launcher removes: torchrun makes a `torchelastic_*` log folder there and
     # leaves it; memory mode's transfer store lives there (a SIGKILLed trainer cannot remove it)
     torchrun = t.nnodes > 1 or t.nproc_per_node > 1
