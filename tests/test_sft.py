@@ -1,12 +1,13 @@
 """SFT: assistant-only masks on a hand-checked chat, and a tiny end-to-end run."""
 
 import json
+import math
 import random
 
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from prime_rl.rundir import MARKER, read_jsonl
-from trainer.sft import main, reached_loss, tokenize_chat
+from trainer.sft import main, should_stop, tokenize_chat
 
 IM_START, IM_END, NL = 257, 258, 10  # tiny byte-level tokenizer: byte ids, then specials
 
@@ -65,11 +66,45 @@ def test_sft_run_writes_a_loadable_model_with_marker(tiny_model, tmp_path):
 
 def test_the_loss_target_is_a_mean_over_the_window():
     losses = [3.0, 1.0, 0.8, 0.6]
-    assert not reached_loss(losses, None, 1)  # no target: never
-    assert not reached_loss(losses[:1], 2.0, 2)  # fewer steps than the window: never
-    assert not reached_loss(losses[:2], 1.9, 2)  # (3.0 + 1.0) / 2 = 2.0
-    assert reached_loss(losses[:2], 2.0, 2)
-    assert reached_loss(losses, 0.8, 3) and not reached_loss(losses, 0.79, 3)  # (1.0 + 0.8 + 0.6) / 3
+    assert not should_stop(losses, None, None, 1)  # no target: never
+    assert not should_stop(losses[:1], 2.0, None, 2)  # fewer steps than the window: never
+    assert not should_stop(losses[:2], 1.9, None, 2)  # (3.0 + 1.0) / 2 = 2.0
+    assert should_stop(losses[:2], 2.0, None, 2)
+    assert should_stop(losses, 0.8, None, 3) and not should_stop(losses, 0.79, None, 3)  # (1.0 + 0.8 + 0.6) / 3
+
+
+def test_the_plateau_is_the_fall_between_two_windows():
+    losses = [3.0, 2.0, 1.0, 0.9, 0.85, 0.84]
+    assert not should_stop(losses[:3], None, 1.0, 2)  # two windows not yet full
+    # windows (1.0 + 0.9) / 2 = 0.95 -> (0.85 + 0.84) / 2 = 0.845: a fall of 0.105
+    assert should_stop(losses, None, 0.11, 2) and not should_stop(losses, None, 0.1, 2)
+    # (3.0 + 2.0) / 2 = 2.5 -> 0.95 is no plateau; a flat stretch high up is one, unless the loss gate says no
+    assert not should_stop(losses[:4], None, 1.0, 2)
+    flat = [3.0, 3.0, 3.0, 3.0]
+    assert should_stop(flat, None, 0.01, 2) and not should_stop(flat, 2.0, 0.01, 2)
+    assert should_stop(losses, 0.9, 0.11, 2) and not should_stop(losses, 0.8, 0.11, 2)
+
+
+def test_label_smoothing_is_torchs():
+    """The head's mean logprob over the vocabulary makes the smoothed loss torch's
+    ``cross_entropy(label_smoothing=...)``, value and gradient."""
+    import torch
+    import torch.nn.functional as F
+
+    from trainer.head import HeadQuery, score_tokens
+    from trainer.sft import smoothed_nll
+
+    torch.manual_seed(0)
+    hidden, weight = torch.randn(5, 8, requires_grad=True), torch.randn(11, 8)
+    targets = torch.tensor([0, 3, 10, 3, 7])
+    for eps in (0.0, 0.3):
+        query = HeadQuery(positions=torch.arange(5), targets=targets, temperature=1.0, mean_logprob=eps > 0)
+        ours = smoothed_nll(score_tokens(hidden, weight, query), eps)
+        (g_ours,) = torch.autograd.grad(ours.sum(), hidden)
+        ref = F.cross_entropy(hidden @ weight.t(), targets, label_smoothing=eps, reduction="none")
+        (g_ref,) = torch.autograd.grad(ref.sum(), hidden)
+        torch.testing.assert_close(ours, ref)
+        torch.testing.assert_close(g_ours, g_ref)
 
 
 def test_sft_stops_at_its_loss_target_and_still_publishes(tiny_model, tmp_path, capsys):
@@ -82,7 +117,16 @@ def test_sft_stops_at_its_loss_target_and_still_publishes(tiny_model, tmp_path, 
     assert main(["--config", str(tmp_path / "sft.json")]) == 0
     assert [r["step"] for r in read_jsonl(out / "metrics.jsonl")] == [1, 2, 3]  # the first window's mean is below 100
     assert (out / MARKER).is_file()
-    assert "stopped at step 3: mean loss of the last 3 steps" in capsys.readouterr().out
+    assert "stopped at step 3: the mean loss of 3 steps is <= 100 (last 3: " in capsys.readouterr().out
+    # label-smoothed to a plateau: stops once two windows' means are within 100 of each other,
+    # and logs the plain NLL beside the smoothed loss (a floor of at least 0.5 * ln 2 above it)
+    config.update(stop_loss=None, stop_plateau=100.0, label_smoothing=0.5, output_dir=str(tmp_path / "smoothed"))
+    (tmp_path / "sft.json").write_text(json.dumps(config))
+    assert main(["--config", str(tmp_path / "sft.json")]) == 0
+    rows = read_jsonl(tmp_path / "smoothed" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(1, 7))
+    assert all(r["loss/sft"] > r["loss/nll"] / 2 + 0.5 * math.log(2) for r in rows), rows
+    assert "stopped at step 6: it fell less than 100 below the 3 steps before (last 3: " in capsys.readouterr().out
 
 
 def test_the_sft_model_carries_a_generation_config_transformers_would_refuse(tmp_path, sampling_defaults_model):

@@ -61,6 +61,10 @@ class HeadQuery:
     entropy: bool = True
     """Return each position's entropy (a metric of the policy; a teacher's is not needed)."""
 
+    mean_logprob: bool = False
+    """Also return each position's mean logprob over the whole vocabulary, with its gradient
+    (the uniform part of a label-smoothed cross-entropy, SFT's ``label_smoothing``)."""
+
 
 class TokenHead(nn.Module):
     """The output layer with the weight of the linear layer it replaces ([V, H], no bias)."""
@@ -74,6 +78,7 @@ class TokenHead(nn.Module):
         """hidden [R, L, H] -> logits [R, L, V] without a query, else the query's scores:
         ``{"logprobs": [N] float32 (with gradient), "entropy": [N] float32 (none),
         "top_k_kl": [N] float32 (with gradient; only with ``query.top_ids``),
+        "mean_logprobs": [N] float32 (with gradient; only with ``query.mean_logprob``),
         "top_ids": [N, K] int64 and "top_logprobs": [N, K] float32 (only with ``query.top_k``)}``."""
         if query is None:
             return self.capped(F.linear(hidden, self.weight))
@@ -95,20 +100,24 @@ def score_tokens(hidden: torch.Tensor, weight: torch.Tensor, query: HeadQuery, c
     for start in range(0, max(n, 1), chunk):  # one (empty) chunk when N = 0: outputs keep their shapes
         rows = slice(start, start + chunk)
         top = (query.top_ids[rows], query.top_logprobs[rows]) if query.top_ids is not None else (None, None)
-        args = (hidden[rows], weight, query.targets[rows], query.temperature, cap, *top, query.top_k, query.entropy)
+        args = (hidden[rows], weight, query.targets[rows], query.temperature, cap, *top, query.top_k, query.entropy,
+                query.mean_logprob)
         parts.append(checkpoint(score_chunk, *args, use_reentrant=False) if recompute else score_chunk(*args))
     out = {"logprobs": torch.cat([p[0] for p in parts]), "entropy": torch.cat([p[1] for p in parts])}
     if query.top_ids is not None:
         out["top_k_kl"] = torch.cat([p[2] for p in parts])
     if query.top_k:
         out["top_ids"], out["top_logprobs"] = torch.cat([p[3] for p in parts]), torch.cat([p[4] for p in parts])
+    if query.mean_logprob:
+        out["mean_logprobs"] = torch.cat([p[5] for p in parts])
     return out
 
 
 def score_chunk(hidden, weight, targets, temperature, cap, top_ids=None, top_logprobs=None, own_k: int = 0,
-                with_entropy: bool = True):
-    """(logprobs [C], entropy [C], top-k KL [C], own top-k ids [C, K] and logprobs [C, K]) of
-    one chunk of positions; what was not asked for is an empty tensor. The own top-k is the
+                with_entropy: bool = True, with_mean: bool = False):
+    """(logprobs [C], entropy [C], top-k KL [C], own top-k ids [C, K] and logprobs [C, K],
+    mean logprob over the vocabulary [C]) of one chunk of positions; what was not asked for
+    is an empty tensor. The own top-k is the
     K most likely tokens, most likely first, as vLLM returns a prompt's top logprobs."""
     logits = cap(hidden @ weight.t()).float() / temperature  # [C, V]
     empty = logits.new_zeros(0)
@@ -117,11 +126,12 @@ def score_chunk(hidden, weight, targets, temperature, cap, top_ids=None, top_log
             logprobs = torch.log_softmax(logits, dim=-1)
             top = logprobs.topk(min(own_k, logits.shape[-1]), dim=-1)
             chosen = logprobs.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)
-        return chosen, entropy_from_logits(logits) if with_entropy else empty, empty, top.indices, top.values
+        return chosen, entropy_from_logits(logits) if with_entropy else empty, empty, top.indices, top.values, empty
     logprobs = selective_log_softmax(logits, targets)
     entropy = entropy_from_logits(logits) if with_entropy else empty  # no gradient
     kl = top_k_reverse_kl(logits, top_ids, top_logprobs) if top_ids is not None else empty
-    return logprobs, entropy, kl, empty.long(), empty
+    mean = logits.mean(-1) - torch.logsumexp(logits, dim=-1) if with_mean else empty
+    return logprobs, entropy, kl, empty.long(), empty, mean
 
 
 def install_token_head(model: nn.Module) -> None:

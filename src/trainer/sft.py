@@ -62,7 +62,7 @@ def train_sft(cfg: SFTConfig) -> None:
     metrics = make_metrics("sft", output_dir, CONSOLE_KEYS, cfg.wandb, cfg.model_dump(mode="json"))
     console = [s for s in metrics.sinks if isinstance(s, ConsoleSink)]
     metrics.sinks = [s for s in metrics.sinks if not isinstance(s, ConsoleSink)]  # printed every N steps instead
-    until = f" (or until the mean loss of {cfg.stop_window} steps is <= {cfg.stop_loss:g})" if cfg.stop_loss else ""
+    until = f" (or until {stop_rule(cfg)})" if cfg.stop_loss or cfg.stop_plateau else ""
     log(f"{len(examples)} chats from {cfg.data.path}, {cfg.max_steps} steps of {cfg.data.batch_size}{until}")
 
     losses: list[float] = []
@@ -77,19 +77,18 @@ def train_sft(cfg: SFTConfig) -> None:
         row = {**stats, "perf/tokens_per_s": stats["perf/tokens"] / elapsed, "time/step": elapsed}
         metrics.log(step, row)
         losses.append(stats["loss/sft"])
-        stop = reached_loss(losses, cfg.stop_loss, cfg.stop_window)
+        stop = should_stop(losses, cfg.stop_loss, cfg.stop_plateau, cfg.stop_window)
         if step % CONSOLE_EVERY == 0 or step in (1, cfg.max_steps) or stop:
             for sink in console:
                 sink.log({"step": step, **row})
-        # 4. stop early once the loss target is reached
+        # 4. stop early once the loss target (or its plateau) is reached
         if stop:
-            log(f"stopped at step {step}: mean loss of the last {cfg.stop_window} steps "
-                f"{np.mean(losses[-cfg.stop_window:]):.3f} <= stop_loss {cfg.stop_loss:g}")
+            log(f"stopped at step {step}: {stop_rule(cfg)} ({window_means(losses, cfg.stop_window)})")
             break
     else:
-        if cfg.stop_loss is not None:
-            log(f"warning: max_steps ({cfg.max_steps}) reached before stop_loss ({cfg.stop_loss:g}): mean loss of the "
-                f"last {cfg.stop_window} steps {np.mean(losses[-cfg.stop_window:]):.3f}")
+        if cfg.stop_loss is not None or cfg.stop_plateau is not None:
+            log(f"warning: max_steps ({cfg.max_steps}) reached before {stop_rule(cfg)} "
+                f"({window_means(losses, cfg.stop_window)})")
 
     # ---- publish: weights + tokenizer, marker last
     save_model(model, tokenizer, cfg.model.name, output_dir, DTYPES[cfg.model.dtype])
@@ -98,38 +97,77 @@ def train_sft(cfg: SFTConfig) -> None:
     log(f"done: model in {output_dir}")
 
 
-def reached_loss(losses: list[float], target: float | None, window: int) -> bool:
-    """Whether the mean of the last ``window`` losses is at or below ``target`` (never
-    before ``window`` steps, nor without a target)."""
-    return target is not None and len(losses) >= window and float(np.mean(losses[-window:])) <= target
+def should_stop(losses: list[float], target: float | None, plateau: float | None, window: int) -> bool:
+    """Whether SFT may stop: the mean of the last ``window`` losses is at or below ``target``
+    and less than ``plateau`` below the mean of the ``window`` losses before them (each test
+    only where set; never with neither set, nor before the windows are full)."""
+    if target is None and plateau is None:
+        return False
+    needed = 2 * window if plateau is not None else window
+    if len(losses) < needed:
+        return False
+    last = float(np.mean(losses[-window:]))
+    if target is not None and last > target:
+        return False
+    return plateau is None or float(np.mean(losses[-2 * window : -window])) - last < plateau
+
+
+def stop_rule(cfg: SFTConfig) -> str:
+    """The stop rule in words, for the log."""
+    rules = [f"the mean loss of {cfg.stop_window} steps is <= {cfg.stop_loss:g}"] if cfg.stop_loss else []
+    if cfg.stop_plateau:
+        rules.append(f"it fell less than {cfg.stop_plateau:g} below the {cfg.stop_window} steps before")
+    return " and ".join(rules)
+
+
+def window_means(losses: list[float], window: int) -> str:
+    """The last two windows' mean losses, for the log."""
+    last = np.mean(losses[-window:])
+    if len(losses) < 2 * window:
+        return f"last {window}: {last:.4f}"
+    return f"last {window}: {last:.4f}, the {window} before: {np.mean(losses[-2 * window : -window]):.4f}"
 
 
 def sft_step(model: nn.Module, optimizer, scheduler, chats: list[Example], cfg: SFTConfig, device) -> dict[str, float]:
-    """Token-mean NLL over all assistant tokens of the batch, accumulated over micro-batches."""
+    """Token-mean cross-entropy over all assistant tokens of the batch (label-smoothed with
+    ``cfg.label_smoothing``), accumulated over micro-batches."""
     # Position 0 is never predicted, so its mask entry never counts.
     num_tokens = max(1, sum(sum(mask[1:]) for _, mask in chats))
-    total_loss, total_tokens = 0.0, 0
+    smoothing = cfg.label_smoothing
+    total_loss, total_nll, total_tokens = 0.0, 0.0, 0
     for start in range(0, len(chats), cfg.data.micro_batch_size):
         micro = chats[start : start + cfg.data.micro_batch_size]
         ids = torch.from_numpy(right_pad([np.array(i) for i, _ in micro], 0, np.int64)).to(device)  # [B, T]
         attention_mask = torch.from_numpy(right_pad([np.ones(len(i)) for i, _ in micro], 0, np.int64)).to(device)
         loss_mask = torch.from_numpy(right_pad([np.array(m, dtype=bool) for _, m in micro], False, bool)).to(device)
-        logprobs = forward_logits(model, ids, attention_mask, query=next_token_query(ids, loss_mask))["logprobs"]  # [N]
-        loss = -logprobs.sum() / num_tokens
+        scores = forward_logits(model, ids, attention_mask, query=next_token_query(ids, loss_mask, smoothing > 0))
+        loss = smoothed_nll(scores, smoothing).sum() / num_tokens
         loss.backward()
         total_loss += loss.item()
+        total_nll += -scores["logprobs"].detach().sum().item() / num_tokens
         total_tokens += int(attention_mask.sum())
     grad_norm, lr = clip_and_step(model, optimizer, scheduler, cfg.optim.max_grad_norm)
-    return {"loss/sft": total_loss, "optim/grad_norm": grad_norm, "optim/lr": lr,
+    nll = {"loss/nll": total_nll} if smoothing else {}
+    return {"loss/sft": total_loss, **nll, "optim/grad_norm": grad_norm, "optim/lr": lr,
             "perf/loss_tokens": num_tokens, "perf/tokens": total_tokens}
 
 
-def next_token_query(ids: torch.Tensor, loss_mask: torch.Tensor) -> HeadQuery:
+def smoothed_nll(scores: dict[str, torch.Tensor], smoothing: float) -> torch.Tensor:
+    """Per-token cross-entropy against the target mixed with the uniform distribution over
+    the vocabulary, ``smoothing`` of it uniform (torch's ``label_smoothing``): [N]."""
+    if not smoothing:
+        return -scores["logprobs"]
+    return -((1 - smoothing) * scores["logprobs"] + smoothing * scores["mean_logprobs"])
+
+
+def next_token_query(ids: torch.Tensor, loss_mask: torch.Tensor, mean_logprob: bool = False) -> HeadQuery:
     """The head's query for right-padded rows ids [B, T] with loss_mask [B, T] bool: at every
-    target token t (mask[b, t], t >= 1), position t - 1 of its row and the token itself."""
+    target token t (mask[b, t], t >= 1), position t - 1 of its row and the token itself
+    (and, with ``mean_logprob``, the mean logprob of the whole vocabulary there)."""
     targets = loss_mask[:, 1:]
     positions = torch.arange(ids.numel(), device=ids.device).view_as(ids)[:, :-1][targets]
-    return HeadQuery(positions=positions, targets=ids[:, 1:][targets], temperature=1.0)
+    return HeadQuery(positions=positions, targets=ids[:, 1:][targets], temperature=1.0, entropy=False,
+                     mean_logprob=mean_logprob)
 
 
 # --------------------------------------------------------------------------- data

@@ -240,10 +240,22 @@ class SFTConfig(StrictModel):
     stop_loss: float | None = Field(None, gt=0)
     """Stop once the mean `loss/sft` of the last `stop_window` steps is at or below this;
     None = always `max_steps`. Where the loss falls steeply, a step count lands on another
-    point of the fall on every machine and seed, a loss the same point (docs/benchmarks.md)."""
+    point of the fall on every machine and seed, a loss the same point (docs/benchmarks.md).
+    With `stop_plateau` too, both must hold (this one keeps a flat stretch before the fall
+    from counting as the plateau)."""
+
+    stop_plateau: float | None = Field(None, gt=0)
+    """Stop once the mean `loss/sft` of the last `stop_window` steps is less than this below
+    the mean of the `stop_window` steps before them: the loss has stopped falling. None = no
+    plateau test."""
 
     stop_window: int = Field(20, ge=1)
-    """Steps `stop_loss` averages over."""
+    """Steps `stop_loss` and `stop_plateau` average over."""
+
+    label_smoothing: float = Field(0.0, ge=0, lt=1)
+    """Share of each target's probability spread uniformly over the vocabulary in the loss
+    (torch's ``CrossEntropyLoss(label_smoothing=...)``); 0 = plain NLL. The loss's floor is
+    then above 0 and a model trained to it still samples a wrong token now and then."""
 
     seq_len: int = Field(512, ge=8)
     """Chats longer than this are truncated."""
