@@ -85,6 +85,26 @@ def test_the_plateau_is_the_fall_between_two_windows():
     assert should_stop(losses, 0.9, 0.11, 2) and not should_stop(losses, 0.8, 0.11, 2)
 
 
+def test_input_noise_replaces_only_assistant_inputs():
+    """``corrupt`` swaps target tokens (mask) for uniform draws at about the given share, never a
+    prompt token, the same draws for the same generator seed; the targets are the data's."""
+    import torch
+
+    from trainer.sft import corrupt, next_token_query
+
+    ids = torch.arange(4000).remainder(50).view(4, 1000)
+    mask = torch.zeros_like(ids, dtype=torch.bool)
+    mask[:, 500:] = True
+    out = corrupt(ids, mask, 0.3, 264, torch.Generator().manual_seed(0))
+    changed = out != ids
+    assert not changed[~mask].any()
+    assert 0.27 < changed[mask].float().mean() < 0.3  # a draw equal to the token changes nothing (1 in 264)
+    assert out.max() < 264 and out.min() >= 0
+    assert torch.equal(out, corrupt(ids, mask, 0.3, 264, torch.Generator().manual_seed(0)))
+    assert torch.equal(corrupt(ids, mask, 0.0, 264, None), ids)
+    assert torch.equal(next_token_query(ids, mask).targets, ids[:, 500:].flatten())
+
+
 def test_label_smoothing_is_torchs():
     """The head's mean logprob over the vocabulary makes the smoothed loss torch's
     ``cross_entropy(label_smoothing=...)``, value and gradient."""
@@ -118,9 +138,9 @@ def test_sft_stops_at_its_loss_target_and_still_publishes(tiny_model, tmp_path, 
     assert [r["step"] for r in read_jsonl(out / "metrics.jsonl")] == [1, 2, 3]  # the first window's mean is below 100
     assert (out / MARKER).is_file()
     assert "stopped at step 3: the mean loss of 3 steps is <= 100 (last 3: " in capsys.readouterr().out
-    # label-smoothed to a plateau: stops once two windows' means are within 100 of each other,
+    # label-smoothed (inputs noised) to a plateau: stops once two windows' means are within 100 of each other,
     # and logs the plain NLL beside the smoothed loss (a floor of at least 0.5 * ln 2 above it)
-    config.update(stop_loss=None, stop_plateau=100.0, label_smoothing=0.5, output_dir=str(tmp_path / "smoothed"))
+    config.update(stop_loss=None, stop_plateau=100.0, label_smoothing=0.5, input_noise=0.5, output_dir=str(tmp_path / "smoothed"))
     (tmp_path / "sft.json").write_text(json.dumps(config))
     assert main(["--config", str(tmp_path / "sft.json")]) == 0
     rows = read_jsonl(tmp_path / "smoothed" / "metrics.jsonl")

@@ -65,13 +65,14 @@ def train_sft(cfg: SFTConfig) -> None:
     until = f" (or until {stop_rule(cfg)})" if cfg.stop_loss or cfg.stop_plateau else ""
     log(f"{len(examples)} chats from {cfg.data.path}, {cfg.max_steps} steps of {cfg.data.batch_size}{until}")
 
+    noise = torch.Generator().manual_seed(cfg.seed)  # input_noise's draws
     losses: list[float] = []
     for step in range(1, cfg.max_steps + 1):
         t_start = time.perf_counter()
         # 1. next batch of chats (the data cycles, reshuffled every epoch)
         chats = next(batches)
         # 2. one optimizer step with gradient accumulation over micro-batches
-        stats = sft_step(model, optimizer, scheduler, chats, cfg, world.device)
+        stats = sft_step(model, optimizer, scheduler, chats, cfg, world.device, noise)
         # 3. metrics (console every CONSOLE_EVERY steps and at the end)
         elapsed = time.perf_counter() - t_start
         row = {**stats, "perf/tokens_per_s": stats["perf/tokens"] / elapsed, "time/step": elapsed}
@@ -128,7 +129,8 @@ def window_means(losses: list[float], window: int) -> str:
     return f"last {window}: {last:.4f}, the {window} before: {np.mean(losses[-2 * window : -window]):.4f}"
 
 
-def sft_step(model: nn.Module, optimizer, scheduler, chats: list[Example], cfg: SFTConfig, device) -> dict[str, float]:
+def sft_step(model: nn.Module, optimizer, scheduler, chats: list[Example], cfg: SFTConfig, device,
+             noise: torch.Generator | None = None) -> dict[str, float]:
     """Token-mean cross-entropy over all assistant tokens of the batch (label-smoothed with
     ``cfg.label_smoothing``), accumulated over micro-batches."""
     # Position 0 is never predicted, so its mask entry never counts.
@@ -140,7 +142,8 @@ def sft_step(model: nn.Module, optimizer, scheduler, chats: list[Example], cfg: 
         ids = torch.from_numpy(right_pad([np.array(i) for i, _ in micro], 0, np.int64)).to(device)  # [B, T]
         attention_mask = torch.from_numpy(right_pad([np.ones(len(i)) for i, _ in micro], 0, np.int64)).to(device)
         loss_mask = torch.from_numpy(right_pad([np.array(m, dtype=bool) for _, m in micro], False, bool)).to(device)
-        scores = forward_logits(model, ids, attention_mask, query=next_token_query(ids, loss_mask, smoothing > 0))
+        inputs = corrupt(ids, loss_mask, cfg.input_noise, model.get_input_embeddings().num_embeddings, noise) if cfg.input_noise else ids
+        scores = forward_logits(model, inputs, attention_mask, query=next_token_query(ids, loss_mask, smoothing > 0))
         loss = smoothed_nll(scores, smoothing).sum() / num_tokens
         loss.backward()
         total_loss += loss.item()
@@ -150,6 +153,15 @@ def sft_step(model: nn.Module, optimizer, scheduler, chats: list[Example], cfg: 
     nll = {"loss/nll": total_nll} if smoothing else {}
     return {"loss/sft": total_loss, **nll, "optim/grad_norm": grad_norm, "optim/lr": lr,
             "perf/loss_tokens": num_tokens, "perf/tokens": total_tokens}
+
+
+def corrupt(ids: torch.Tensor, loss_mask: torch.Tensor, share: float, vocab: int, generator: torch.Generator | None) -> torch.Tensor:
+    """ids [B, T] with each target token (loss_mask) replaced, with probability ``share``, by a
+    token drawn uniformly from the vocabulary: the model's input only, its targets stay the
+    data's, so it learns to go on correctly after a wrong token of its own."""
+    draw = torch.rand(ids.shape, generator=generator).to(ids.device) < share
+    random_ids = torch.randint(vocab, ids.shape, generator=generator).to(ids.device)
+    return torch.where(draw & loss_mask, random_ids, ids)
 
 
 def smoothed_nll(scores: dict[str, torch.Tensor], smoothing: float) -> torch.Tensor:

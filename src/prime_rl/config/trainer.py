@@ -257,6 +257,12 @@ class SFTConfig(StrictModel):
     (torch's ``CrossEntropyLoss(label_smoothing=...)``); 0 = plain NLL. The loss's floor is
     then above 0 and a model trained to it still samples a wrong token now and then."""
 
+    input_noise: float = Field(0.0, ge=0, lt=1)
+    """Share of the assistant's tokens replaced in the model's input (never in its targets) by a
+    token drawn uniformly from the vocabulary: the model learns to go on correctly after a
+    wrong token, as it will meet its own sampled mistakes in RL, rather than derail after
+    one in a way that differs from seed to seed. 0 = the chats as they are."""
+
     seq_len: int = Field(512, ge=8)
     """Chats longer than this are truncated."""
 
