@@ -407,7 +407,8 @@ QUOTED = {"README.md": "benchmarks/", "docs/benchmarks.md": "../benchmarks/"}
 QUOTE_ROWS = (
     ("reward, first 5 steps", "reward_first5"), ("reward, last 5 steps", "reward_last5"),
     ("time to a 5-step reward of 0.7 (s from the command)", "time_to_0.7_s"),
-    ("time to a 5-step reward of 0.8 (s)", "time_to_0.8_s"), ("steps to a 5-step reward of 0.7", "steps_to_0.7"),
+    ("time to a 5-step reward of 0.8 (s)", "time_to_0.8_s"), ("time to a 5-step reward of 0.85 (s)", "time_to_0.85_s"),
+    ("steps to a 5-step reward of 0.7", "steps_to_0.7"), ("steps to a 5-step reward of 0.85", "steps_to_0.85"),
     ("start-up: the command to the first trained step (s)", "startup_s"), ("seconds per step", "s_per_step"),
 )
 
@@ -503,6 +504,11 @@ def targets(results: Path) -> list[tuple[str, float | None, bool | None]]:
                       ratios.get(f"{mode}: time to RL's final reward / RL's time"), lambda v: v <= 0.5)]
         rows.append(("distillation (as shipped): the teacher's seconds a step <= 0.5x a step's generation (RL's seconds a step)",
                      ratios.get("distill: teacher's seconds a step / RL's seconds a step"), lambda v: v <= 0.5))
+    if warmup := load("warmup").get("warmup"):  # issue 36's item 2: model, warm-up and RL seeded alike
+        rows += [("quickstart from scratch: start reward (first 5 steps) varies by <= 0.03 across seeds", warmup["start_range"],
+                  lambda v: v <= 0.03),
+                 ("quickstart from scratch: median reward gain, first 5 -> last 5 steps >= +0.20", warmup["median_gain"],
+                  lambda v: v >= 0.20)]
     if traces := load("traces").get("traces"):
         rows.append(("rollout traces: their work < 2% of a quickstart step (issue 37)", traces["share_of_step"], lambda v: v < 0.02))
     for name, result in batching.items():

@@ -429,3 +429,24 @@ def test_the_weights_section_gives_medians_ranges_and_the_ratio_of_medians():
     runs = {"quickstart": {"memory": [{"handoff_share": 0.1, "mean_s_per_step": 1.0, "trainer/save_weights_s": 0.008,
                                        "orchestrator/reload_s": None}]}}
     assert weights.handoff_lines(runs)[-1] == "| quickstart | memory | 10 [10, 10] % | 1 [1, 1] | 8 [8, 8] | - |"
+
+
+def test_the_warmup_seeds_give_the_start_range_and_the_median_gain(tmp_path):
+    """benchmarks.warmup: the warm-up's figures from its metrics, the start reward's range and
+    the median gain over seeds, judged by the targets table (<= 0.03, >= +0.20)."""
+    from benchmarks.warmup import markdown, summarize, warmup_figures
+
+    rows = [{"step": i + 1, "loss/sft": 3.0 if i < 20 else 2.0, "time/step": 0.5} for i in range(60)]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    # the last 50 steps: 40 at 2.0 and 10 at 3.0
+    assert warmup_figures(tmp_path) == {"sft_steps": 60, "sft_s": 30.0, "sft_last_loss": pytest.approx(2.2)}
+    seed = lambda first, last: {"reward_first5": first, "reward_last5": last, "gain": last - first, "steps_to_0.85": None}  # noqa: E731
+    result = summarize([seed(0.64, 0.99), seed(0.66, 0.97), seed(0.62, 0.9)], 120)
+    assert result["start_range"] == pytest.approx(0.04) and result["median_gain"] == pytest.approx(0.31)
+    assert result["spread"]["reward_first5"] == {"median": 0.64, "min": 0.62, "max": 0.66, "n": 3, "of": 3}
+    lines = markdown(result)
+    assert "| 2 | 0.62 | 0.9 | 0.28 | - |" in lines and lines[-1].startswith("Start reward (first 5 steps) range 0.040")
+    (tmp_path / "warmup.json").write_text(json.dumps({"warmup": result}))
+    judged = {name: (value, holds) for name, value, holds in bench.targets(tmp_path)}
+    assert judged["quickstart from scratch: start reward (first 5 steps) varies by <= 0.03 across seeds"] == (pytest.approx(0.04), False)
+    assert judged["quickstart from scratch: median reward gain, first 5 -> last 5 steps >= +0.20"] == (pytest.approx(0.31), True)
