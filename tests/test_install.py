@@ -8,6 +8,7 @@ one `uv lock` of a copy of the project (as scripts/env.sh sets uv up) with `uv e
   with flash-attn when asked, and afterwards `uv run` with UV_NO_SYNC=1 leaves that install as
   it is, where a plain `uv run` would put the CPU build back."""
 
+import ast
 import os
 import re
 import shutil
@@ -179,3 +180,49 @@ def test_a_run_on_gpus_with_the_cpu_build_installed_is_refused(monkeypatch, caps
     rl.check_engine_build(0, dry_run=False)  # no GPU: the CPU build is the right one
     monkeypatch.setattr(rl, "on_cpu", lambda: False)
     rl.check_engine_build(2, dry_run=False)
+
+
+def module_level_imports(tree: ast.Module) -> set[str]:
+    """Top-level names of the modules a file imports when it is imported: its own body and the
+    `if`/`try` blocks in it, not function or class bodies (those import on use)."""
+    found, todo = set(), list(tree.body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, ast.Import):
+            found |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.add(node.module.split(".")[0])
+        elif isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            todo += node.orelse  # annotations only
+        elif isinstance(node, (ast.If, ast.Try)):
+            todo += [*node.body, *node.orelse, *getattr(node, "finalbody", []),
+                     *(s for handler in getattr(node, "handlers", []) for s in handler.body)]
+    return found
+
+
+ON_USE = {"src/orchestrator/gepa.py": "gepa", "src/orchestrator/gepa_adapter.py": "gepa"}
+"""Files that import an extra's library when loaded and are loaded only by that feature's own
+process, after `import_extra` checked the extra (`prime-rl gepa` runs `orchestrator.gepa`)."""
+
+
+def test_a_bare_uv_sync_installs_every_module_src_imports_when_loaded(project):
+    """The quickstart's install is a bare `uv sync` (the default groups, no extras): every
+    third-party module a file under src/ imports when loaded must come with it. An extra's
+    library is imported on use (`prime_rl.extras.import_extra`), or by a module only its
+    feature's process loads (ON_USE); msgpack once came only with the wordle extra, and the
+    quickstart stopped at its first import."""
+    from importlib.metadata import packages_distributions
+
+    canonical = lambda name: re.sub(r"[-_.]+", "-", name).lower()  # noqa: E731
+    installed = {canonical(name) for name in selection(project)}
+    ours = {path.name for path in (REPO / "src").iterdir() if path.is_dir()}
+    providers = packages_distributions()
+    missing = []
+    for path in sorted((REPO / "src").rglob("*.py")):
+        for top in sorted(module_level_imports(ast.parse(path.read_text()))):
+            if top in sys.stdlib_module_names or top in ours or top == "__future__":
+                continue
+            dists = providers.get(top, [])
+            if dists and not any(canonical(d) in installed for d in dists) and ON_USE.get(str(path.relative_to(REPO))) != top:
+                missing.append(f"{path.relative_to(REPO)}: {top} (from {', '.join(dists)})")
+    assert not missing, "imported when loaded, but not installed by a bare `uv sync`:\n" + "\n".join(missing)
