@@ -46,6 +46,21 @@ def test_eight_gpus_split_four_and_four(tmp_path):
     assert cfg.orchestrator.client.base_url == [f"http://127.0.0.1:{9000 + i}" for i in range(4)]
 
 
+def test_every_vllm_server_keeps_inductors_cache_and_skips_its_precompiled_headers(tmp_path, monkeypatch):
+    """Each server's private TMPDIR would make inductor compile its C++ header again on every
+    run (the header's folder follows TMPDIR, not the cache dir): the launcher turns headers
+    off and keeps the cache, and a value in the launcher's own environment wins."""
+    from prime_rl.vllm_command import server_env
+
+    monkeypatch.delenv("TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS", raising=False)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    specs = {s.name: s for s in specs_of(config(inference={"port": 9000}), tmp_path, plan_single_node(config(), gpus_available=0))}
+    assert specs["inference"].env["TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS"] == "0"
+    assert specs["inference"].env["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "inductor")
+    monkeypatch.setenv("TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS", "1")
+    assert server_env()["TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS"] == "1"
+
+
 def test_memory_mode_gives_every_process_the_transfer_group_and_its_server_the_engine(tmp_path, monkeypatch):
     """`[weight_transfer] mode = "memory"`: the group counts every replica's workers, vLLM is
     started with this project's transfer engine (the teacher's is not: its weights never

@@ -137,7 +137,7 @@ def test_local_model_gets_its_own_server_on_a_free_port(tmp_path, tiny_model):
     # vLLM beside the eval, its sockets in a directory of its own the launcher removes after it
     specs = served_process_specs(cfg, tmp_path, "eval", "orchestrator.eval")
     assert [(s.name, s.tmp_dir_env) for s in specs] == [("inference", "TMPDIR"), ("eval", None)]
-    assert set(specs[0].env) == {"TORCHINDUCTOR_CACHE_DIR"} and (tmp_path / "configs" / "inference.json").is_file()
+    assert set(specs[0].env) == {"TORCHINDUCTOR_CACHE_DIR", "TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS"} and (tmp_path / "configs" / "inference.json").is_file()
 
 
 def test_a_lora_runs_weights_are_served_as_an_adapter_on_their_base_model(tmp_path, tiny_model):

@@ -43,12 +43,24 @@ to a folder there too, stays where it was (``server_env``)."""
 
 def server_env() -> dict[str, str]:
     """What a vLLM server's environment keeps of the machine's temporary directory: torch
-    inductor's compile cache, reused across runs (a private TMPDIR would start it empty)."""
+    inductor's compile cache, reused across runs (a private TMPDIR would start it empty).
+
+    Inductor's precompiled C++ headers go to a folder of the temporary directory whatever
+    `TORCHINDUCTOR_CACHE_DIR` says, and a cached kernel whose key names them compiles its
+    header again when that folder is new: with a private TMPDIR, every run. On CPU that is
+    the first request with logprobs, which compiles vLLM's sampled-token rank: 6.6 s of every
+    quickstart's start-up with the header, 1.8 s without (11.7 s once, on an empty cache;
+    docs/benchmarks.md, "The quickstart over seeds"). So headers are not precompiled, unless
+    the user's environment says otherwise."""
     import getpass
     import tempfile
 
     default = os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")
-    return {"TORCHINDUCTOR_CACHE_DIR": os.environ.get("TORCHINDUCTOR_CACHE_DIR", default)}
+    return {"TORCHINDUCTOR_CACHE_DIR": os.environ.get("TORCHINDUCTOR_CACHE_DIR", default),
+            PRECOMPILE_HEADERS: os.environ.get(PRECOMPILE_HEADERS, "0")}
+
+
+PRECOMPILE_HEADERS = "TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS"
 
 
 def on_cpu() -> bool:
