@@ -347,8 +347,11 @@ def test_pin_tree_keeps_each_process_of_a_tree_to_its_roles_cores():
     from benchmarks.profile import pin_tree
 
     code = "import threading, time; threading.Thread(target=time.sleep, args=(30,)).start(); time.sleep(30)"
-    tree = subprocess.Popen(["bash", "-c", f'{sys.executable} -c "{code}" orchestrator & '
-                                           f'{sys.executable} -c "{code}" other & wait'])
+    # the roles come from the environment: a subshell bash forks for `&` carries bash's command
+    # line until it execs python, and with the role's name in it pin_tree could pin it (and
+    # "other" after it) before the exec
+    tree = subprocess.Popen(["bash", "-c", '"$PY" -c "$CODE" "$ROLE" & "$PY" -c "$CODE" other & wait'],
+                            env={**os.environ, "PY": sys.executable, "CODE": code, "ROLE": "orchestrator"})
     stop = threading.Event()
     try:
         threading.Thread(target=pin_tree, args=(tree.pid, {"orchestrator": [1]}, stop), daemon=True).start()
