@@ -130,7 +130,8 @@ def score_chunk(hidden, weight, targets, temperature, cap, top_ids=None, top_log
     logprobs = selective_log_softmax(logits, targets)
     entropy = entropy_from_logits(logits) if with_entropy else empty  # no gradient
     kl = top_k_reverse_kl(logits, top_ids, top_logprobs) if top_ids is not None else empty
-    mean = logits.mean(-1) - torch.logsumexp(logits, dim=-1) if with_mean else empty
+    # log-normaliser = chosen logit - its logprob: no second logsumexp over the vocabulary
+    mean = logits.mean(-1) - logits.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1) + logprobs if with_mean else empty
     return logprobs, entropy, kl, empty.long(), empty, mean
 
 
