@@ -156,6 +156,17 @@ def test_vllm_env_keeps_the_users_logging_setting_and_shows_no_secret():
     assert "PRIME_RL_INFERENCE_API_KEY=<redacted>" in words and words[words.index("-m") + 1] == "inference.vllm_cpu"
 
 
+def test_an_eager_cpu_server_runs_torch_compile_off_unless_the_user_says_otherwise():
+    """An eager CPU server compiles only two sampler helpers, ~2-10 s at its first request: off,
+    as the user's own value says; a compiled server (enforce_eager false) and GPUs keep it."""
+    eager = config().inference
+    assert vllm_env(eager, cpu=True)["TORCH_COMPILE_DISABLE"] == "1"
+    assert vllm_env(eager, cpu=True, inherited={"TORCH_COMPILE_DISABLE": "0"})["TORCH_COMPILE_DISABLE"] == "0"
+    assert "TORCH_COMPILE_DISABLE" not in vllm_env(config(inference={"enforce_eager": False}).inference, cpu=True)
+    assert "TORCH_COMPILE_DISABLE" not in vllm_env(eager, cpu=False)
+    assert "TORCH_COMPILE_DISABLE=1" in shlex.split(shell_line(eager, cpu=True))
+
+
 def test_on_cpu_vllm_starts_through_the_module_that_forks_its_engine_unless_told_not_to():
     """CPU servers start as `python -m inference.vllm_cpu` (vLLM's server, its engine
     processes forked) by default, the local teacher's too; `cpu_fork = false` starts vLLM's

@@ -27,6 +27,7 @@ from prime_rl.keys import API_KEY_ENV, redact
 from prime_rl.transfer import ENGINES, group_backend
 
 CPU_FORK_SERVER = "inference.vllm_cpu"
+COMPILE_DISABLE = "TORCH_COMPILE_DISABLE"
 """The module that runs vLLM's server with its engine processes forked (`inference.cpu_fork`)."""
 
 AUTH_MIDDLEWARE = "inference.auth.RequireApiKey"
@@ -128,6 +129,13 @@ def vllm_env(cfg: InferenceConfig, cpu: bool, inherited: Mapping[str, str] | Non
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"  # /v1/load_lora_adapter
     if cpu:
         env["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.kv_cache_gb)
+        if cfg.enforce_eager:
+            # An eager server's only compiled code is two sampler helpers (the sampled token's
+            # rank for logprobs, the random sample), compiled by inductor at the first request:
+            # ~2 s of a warm cache, ~10 s of an empty one, on step 0's critical path, to speed up
+            # a [batch, vocab] comparison. Eager, the first request takes 0.4-0.5 s instead of
+            # 2.4-2.7 s (docs/vllm_probe.md, "torch.compile in an eager server"). The user's value wins.
+            env.setdefault(COMPILE_DISABLE, "1")
         if cfg.cpu_threads_bind is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = cfg.cpu_threads_bind
     return env
