@@ -87,6 +87,7 @@ async def drive(port: int, model: str, batch: list[list[int]], rounds: int, n: i
     return {
         "s_per_round": statistics.median(steady),
         "first_round_s": times[0],
+        "rounds_s": [round(t, 3) for t in times],
         "tokens_per_s": statistics.median(t / s for t, s in zip(tokens[1:] or tokens, steady)),
         "cpu_s_per_round": {k: round(statistics.median(c.get(k, 0.0) for c in cpu[1:] or cpu), 3) for k in cpu[0]},
     }
