@@ -66,9 +66,11 @@ groups = "all"
     assert [r["step"] for r in trainer] == list(range(MAX_STEPS)), "every step trained once across the kill"
     for row in trainer:  # vLLM sampled every step with exactly the trainer's weights
         assert row["loss/mismatch_kl"] < 1e-6 and row["staleness/max"] == 0, row
-    # every version was loaded, before and after the restart (checkpoint 4's from its folder)
+    # every version was loaded once, before and after the restart; checkpoint 4's is a reload
+    # when the orchestrator sampled step 4 before the kill, else the resumed server starts on
+    # its folder (the kill races the orchestrator: either way the mismatch KL above is ~0)
     reloaded = sorted(r["weights/reloaded_step"] for r in orchestrator if "weights/reloaded_step" in r)
-    assert reloaded == list(range(1, MAX_STEPS)), reloaded
+    assert len(reloaded) == len(set(reloaded)) and sorted({*reloaded, INTERVAL}) == list(range(1, MAX_STEPS)), reloaded
     # the others were never written: only the checkpoint's and the last version are folders
     assert complete_steps(weights_dir(run_dir)) == [INTERVAL, MAX_STEPS]
     assert not announcement_path(run_dir).exists()
