@@ -27,8 +27,13 @@ from prime_rl.keys import API_KEY_ENV, redact
 from prime_rl.transfer import ENGINES, group_backend
 
 CPU_FORK_SERVER = "inference.vllm_cpu"
-COMPILE_DISABLE = "TORCH_COMPILE_DISABLE"
 """The module that runs vLLM's server with its engine processes forked (`inference.cpu_fork`)."""
+
+PRECOMPILE_HEADERS = "TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS"
+"""Inductor's switch for precompiled C++ headers (``server_env`` turns it off)."""
+
+COMPILE_DISABLE = "TORCH_COMPILE_DISABLE"
+"""torch's switch that makes torch.compile a no-op (``vllm_env`` sets it for eager CPU servers)."""
 
 AUTH_MIDDLEWARE = "inference.auth.RequireApiKey"
 """vLLM `--middleware` that requires the key on every route (vLLM's `--api-key` guards /v1 only)."""
@@ -59,9 +64,6 @@ def server_env() -> dict[str, str]:
     default = os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")
     return {"TORCHINDUCTOR_CACHE_DIR": os.environ.get("TORCHINDUCTOR_CACHE_DIR", default),
             PRECOMPILE_HEADERS: os.environ.get(PRECOMPILE_HEADERS, "0")}
-
-
-PRECOMPILE_HEADERS = "TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS"
 
 
 def on_cpu() -> bool:
@@ -132,7 +134,7 @@ def vllm_env(cfg: InferenceConfig, cpu: bool, inherited: Mapping[str, str] | Non
         if cfg.enforce_eager:
             # An eager server's only compiled code is two sampler helpers (the sampled token's
             # rank for logprobs, the random sample), compiled by inductor at the first request:
-            # ~2 s of a warm cache, ~10 s of an empty one, on step 0's critical path, to speed up
+            # ~2 s from a warm cache, ~10 s from an empty one, on step 0's critical path, to speed up
             # a [batch, vocab] comparison. Eager, the first request takes 0.4-0.5 s instead of
             # 2.4-2.7 s (docs/vllm_probe.md, "torch.compile in an eager server"). The user's value wins.
             env.setdefault(COMPILE_DISABLE, "1")
