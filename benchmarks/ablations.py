@@ -7,8 +7,8 @@ Each setting runs its shipped config (`shipped`) and one variant per knob, each 
 setting by a flag: `async_level` 0 and 2, the loss denominator (`all`: every loss token,
 against `informative`: those of samples with a nonzero advantage), advantages divided by
 their group's standard deviation, the importance correction (each of `token_mask`,
-`sequence_mask`, `truncated` and `none` but the shipped one), and the learning rate (half
-and double). Repeat i of
+`sequence_mask`, `truncated` and `none` but the shipped one), the learning rate (half
+and double), and where vLLM's engine core runs on CPU (`inference.cpu_share_core`). Repeat i of
 every variant runs with seed i (data order, the trainer's and vLLM's sampling), the
 variants alternating within each repeat so drift in the machine's speed hits all alike; all
 start from the same SFT'd model (``benchmarks.run.prepare_model``). Settings:
@@ -55,6 +55,7 @@ VARIANTS: dict[str, tuple[str, ...]] = {
     "importance=none": ("--trainer.loss.importance", "none"),
     "importance=truncated": ("--trainer.loss.importance", "truncated"),
     "importance=sequence_mask": ("--trainer.loss.importance", "sequence_mask"),
+    "cpu_share_core=false": ("--inference.cpu-share-core", "false"),
     "lr/2": (),  # filled per setting from its shipped lr (``lr_flags``)
     "lr*2": (),
 }

@@ -524,6 +524,12 @@ def test_two_runs_attach_to_one_warm_server_and_each_samples_its_own_weights(tmp
         # by its title (vLLM's setproctitle overwrites the environment tagged_processes reads)
         (worker,) = [p for p in psutil.Process(server.pid).children(recursive=True) if p.name().startswith("VLLM::Worker")]
         assert worker.cpu_affinity() == sorted(cores), (worker.cpu_affinity(), cores)
+        if len(cores) == 1:
+            # and the engine core, with every thread of it, joins the worker on its one core
+            # (inference.cpu_share_core): their spin-waits yield to each other there
+            engine = worker.parent()
+            assert engine.name() == "VLLM::EngineCore", engine
+            assert {t.id: os.sched_getaffinity(t.id) for t in engine.threads()} == {t.id: cores for t in engine.threads()}
         # no key was given: the server drew one, which only this user can read, and every route wants it
         key_file = Path(warm.read_state(state).key_file)
         assert "the servers require a drawn one" in out and key_file.stat().st_mode & 0o777 == 0o600

@@ -11,7 +11,9 @@ binds each worker's OpenMP threads to its cores through the environment it start
 with (OMP_NUM_THREADS and the affinity variables), which a new interpreter's OpenMP runtime
 reads when it loads; a forked worker's runtime was loaded long before, in the API server, so
 the worker applies that binding itself before it sets up its device
-(``bind_threads_as_spawned``). Unbound, it ran two threads on both cores beside the trainer:
+(``bind_threads_as_spawned``). Where that binding is one core (a 2-core machine: vLLM keeps
+the other for its API server and engine core), the engine core joins the worker on it
+(``share_worker_core``). Unbound, it ran two threads on both cores beside the trainer:
 30% slower steps in the quickstart. Measured (docs/vllm_probe.md, "Fork"): healthy 9.8 s
 after the command instead of 24.3 s, the same tokens and logprobs.
 
@@ -25,7 +27,12 @@ import os
 import runpy
 import sys
 
+from prime_rl.vllm_command import SHARE_WORKER_CORE
+
 VLLM_SERVER = "vllm.entrypoints.openai.api_server"
+
+ENGINE_TITLE = "VLLM::EngineCore"
+"""How vLLM titles its engine core process (`setproctitle`)."""
 
 
 def fork_engine_processes() -> None:
@@ -75,8 +82,35 @@ def bind_threads_as_spawned() -> None:
     threads, cores = omp_binding(dict(os.environ))
     if cores is not None:
         os.sched_setaffinity(0, cores)
+        if len(cores) == 1 and os.environ.get(SHARE_WORKER_CORE) == "1":
+            share_worker_core(cores)
     if threads is not None:
         torch.set_num_threads(threads)
+
+
+def share_worker_core(cores: set[int]) -> None:
+    """The engine core, the worker's parent, on the worker's one core, every thread of it
+    (threads it starts later inherit that).
+
+    The engine core and the worker hand each step over shared-memory queues whose readers spin
+    (`sched_yield`) for 1 s after each read. Each on a core of its own, the engine core's spin
+    takes the core the trainer needs (vLLM reserves it for the engine and the API server), and
+    rounds switch between fast and ~2x slower ones; on one core a spinning reader yields to the
+    process it waits for. vLLM alone, quickstart rounds: 0.55-0.59 s against 1.06-1.70 s free
+    (the API server there too: 0.69-0.85 s, and 1.3-1.4 s on long replies, where it
+    detokenizes beside the worker; so it stays where vLLM puts it). docs/vllm_probe.md, "The
+    engine and the worker spin-wait". Nothing is moved unless the parent is vLLM's engine core."""
+    import psutil
+
+    engine = psutil.Process().parent()
+    if engine is None or not engine.name().startswith(ENGINE_TITLE):
+        return
+    for _ in range(2):  # once more for threads a thread started while the first pass ran
+        for thread in engine.threads():
+            try:
+                os.sched_setaffinity(thread.id, cores)
+            except OSError:  # a thread that ended meanwhile
+                pass
 
 
 def bind_forked_workers() -> None:

@@ -66,6 +66,13 @@ class InferenceConfig(StrictModel):
     so a server is healthy after ~10 s instead of ~24 s here, serving the same tokens and
     logprobs (docs/vllm_probe.md, "Fork"). False starts vLLM's module as it is."""
 
+    cpu_share_core: bool = True
+    """With `cpu_fork`, where vLLM binds its worker to one core (here, 2 cores: it keeps the
+    other for its API server and engine core, which the trainer needs too), run the engine core
+    on the worker's core as well: the two spin-wait for each other, and on one core the spin
+    yields instead of taking the trainer's core (docs/vllm_probe.md, "The engine and the
+    worker spin-wait"). False leaves the engine core where vLLM puts it."""
+
     max_lora_rank: int | None = Field(None, ge=1)
     """Serve LoRA adapters up to this rank, loaded at run time (vLLM `--enable-lora --max-lora-rank`); filled from `[trainer.lora]`. None = no adapters."""
 
