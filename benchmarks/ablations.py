@@ -8,7 +8,8 @@ setting by a flag: `async_level` 0 and 2, the loss denominator (`all`: every los
 against `informative`: those of samples with a nonzero advantage), advantages divided by
 their group's standard deviation, the importance correction (each of `token_mask`,
 `sequence_mask`, `truncated` and `none` but the shipped one), the learning rate (half
-and double), and where vLLM's engine core runs on CPU (`inference.cpu_share_core`). Repeat i of
+and double), where vLLM's engine core runs on CPU (`inference.cpu_share_core`), and whether
+the trainer and the orchestrator leave vLLM a core while it starts (`deployment.cpu_vllm_first`). Repeat i of
 every variant runs with seed i (data order, the trainer's and vLLM's sampling), the
 variants alternating within each repeat so drift in the machine's speed hits all alike; all
 start from the same SFT'd model (``benchmarks.run.prepare_model``). Settings:
@@ -56,6 +57,7 @@ VARIANTS: dict[str, tuple[str, ...]] = {
     "importance=truncated": ("--trainer.loss.importance", "truncated"),
     "importance=sequence_mask": ("--trainer.loss.importance", "sequence_mask"),
     "cpu_share_core=false": ("--inference.cpu-share-core", "false"),
+    "cpu_vllm_first=false": ("--deployment.cpu-vllm-first", "false"),
     "lr/2": (),  # filled per setting from its shipped lr (``lr_flags``)
     "lr*2": (),
 }

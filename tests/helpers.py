@@ -253,22 +253,56 @@ def bound_sockets(pid: int) -> dict[Path, int]:
 
 
 @contextmanager
-def watched_sockets(pid: int, poll_s: float = 1.0):
-    """Every socket ``pid``'s tree binds while the block runs (``bound_sockets``, polled in a thread)."""
-    seen: dict[Path, int] = {}
+def polling(poll, poll_s: float):
+    """``poll()`` every ``poll_s`` seconds in a thread while the block runs."""
     done = threading.Event()
 
-    def poll() -> None:
+    def loop() -> None:
         while not done.wait(poll_s):
-            seen.update(bound_sockets(pid))
+            poll()
 
-    thread = threading.Thread(target=poll, daemon=True)
+    thread = threading.Thread(target=loop, daemon=True)
     thread.start()
     try:
-        yield seen
+        yield
     finally:
         done.set()
         thread.join(timeout=30)
+
+
+@contextmanager
+def watched_sockets(pid: int, poll_s: float = 1.0):
+    """Every socket ``pid``'s tree binds while the block runs (``bound_sockets``, polled in a thread)."""
+    seen: dict[Path, int] = {}
+    with polling(lambda: seen.update(bound_sockets(pid)), poll_s):
+        yield seen
+
+
+@contextmanager
+def watched_cores(pid: int, modules: dict[str, str], poll_s: float = 0.1):
+    """While the block runs, the cores of every thread of the processes of ``pid``'s tree that
+    run one of ``modules`` (name -> `python -m` module): name -> each poll's set of the
+    threads' affinities (a set of frozensets), in order."""
+    import psutil
+
+    seen: dict[str, list[set[frozenset[int]]]] = {name: [] for name in modules}
+
+    def poll() -> None:
+        try:
+            procs = psutil.Process(pid).children(recursive=True)
+        except psutil.Error:
+            return
+        for proc in procs:
+            try:
+                cmdline = proc.cmdline()
+                name = next((n for n, m in modules.items() if m in cmdline), None)
+                if name is not None:
+                    seen[name].append({frozenset(os.sched_getaffinity(t.id)) for t in proc.threads()})
+            except (psutil.Error, OSError):  # gone, or a thread ended between the calls
+                pass
+
+    with polling(poll, poll_s):
+        yield seen
 
 
 @contextmanager

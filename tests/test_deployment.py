@@ -1,11 +1,14 @@
 """Placement on one node: GPUs per process, replicas and ranks from `[deployment]`, and the
 config errors that stop a bad split before anything starts."""
 
+import functools
 import json
 import os
 import shlex
 import subprocess
 import sys
+import tempfile
+import textwrap
 
 import pytest
 
@@ -321,3 +324,91 @@ def test_a_forked_vllm_worker_reads_the_binding_vllm_started_it_with():
     assert omp_binding({"OMP_NUM_THREADS": "3", "KMP_AFFINITY": "granularity=fine,explicit,proclist=[1,2,3]"}) == (3, {1, 2, 3})
     assert omp_binding({}) == (None, None)
     assert omp_binding({"OMP_NUM_THREADS": "x", "GOMP_CPU_AFFINITY": "0-3"}) == (None, None)  # not vLLM's forms: left alone
+
+
+@pytest.mark.parametrize("cores", [[0, 1], [2, 5], [0, 1, 2, 3], [0]])
+def test_on_two_cores_the_trainer_and_the_orchestrator_start_on_the_one_vllm_leaves(tmp_path, monkeypatch, cores):
+    """`deployment.cpu_vllm_first`: with a vLLM server of the run's own on a CPU machine of two
+    cores (the launcher's), the trainer and the orchestrator start on the second; vLLM, and
+    every process on more cores or on one, start on all of them, as do runs attached to warm
+    servers, GPU runs and runs that turned it off."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(cores))
+    cfg = config()
+    start = lambda cfg, gpus=0, **kw: {s.name: s.start_cores for s in specs_of(cfg, tmp_path, plan_single_node(cfg, gpus), **kw)}  # noqa: E731
+    expected = frozenset(cores[1:]) if len(cores) == 2 else None
+    assert start(cfg) == {"inference": None, "orchestrator": expected, "trainer": expected}
+    assert start(cfg, serve=False) == {"orchestrator": None, "trainer": None}
+    assert start(cfg, gpus=2) == {"inference": None, "orchestrator": None, "trainer": None}
+    off = config(deployment={"cpu_vllm_first": False})
+    assert start(off) == {"inference": None, "orchestrator": None, "trainer": None}
+
+
+def test_a_process_started_on_one_core_takes_back_the_runs_cores_with_its_threads_and_children(tmp_path):
+    """The launcher starts a process on fewer cores (``start_child``) and tells it the run's
+    (``RUN_CORES_ENV``); once ready (``take_back_cores``), every thread of it and every process
+    it started meanwhile runs on all of them, and the processes it starts later do not see
+    the variable."""
+    run_cores = sorted(os.sched_getaffinity(0))
+    if len(run_cores) < 2:
+        pytest.skip("needs two cores")
+    script = tmp_path / "child.py"
+    script.write_text(textwrap.dedent("""
+        import json, os, subprocess, sys, threading
+        from prime_rl.cores import RUN_CORES_ENV, take_back_cores
+        started = sorted(os.sched_getaffinity(0))
+        stop = threading.Event()
+        thread = threading.Thread(target=stop.wait)
+        thread.start()
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        cores = take_back_cores("child")
+        later = subprocess.run([sys.executable, "-c", f"import os; print(os.environ.get({RUN_CORES_ENV!r}))"],
+                               capture_output=True, text=True).stdout.strip()
+        print(json.dumps({"started": started, "cores": sorted(cores), "later": later,
+                          "thread": sorted(os.sched_getaffinity(thread.native_id)),
+                          "main": sorted(os.sched_getaffinity(0)), "child": sorted(os.sched_getaffinity(child.pid))}))
+        stop.set()
+        child.kill()
+    """))
+    from prime_rl.cores import RUN_CORES_ENV, format_cores
+    from prime_rl.launch.launcher import start_child
+
+    env = {**os.environ, RUN_CORES_ENV: format_cores(set(run_cores))}
+    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=60, cwd=REPO,
+                         preexec_fn=functools.partial(start_child, frozenset(run_cores[-1:])), check=True).stdout
+    line, result = out.splitlines()[-2:]
+    assert line == (f"[child] ready: on cores {format_cores(set(run_cores))} from now (started on {run_cores[-1]} "
+                    "while vLLM started: deployment.cpu_vllm_first)")
+    assert json.loads(result) == {"started": run_cores[-1:], "cores": run_cores, "later": "None",
+                                  "thread": run_cores, "main": run_cores, "child": run_cores}
+    # without the variable (a process started on all cores) nothing moves and nothing is said
+    plain = subprocess.run([sys.executable, "-c", "from prime_rl.cores import take_back_cores; print(take_back_cores('x'))"],
+                           env={k: v for k, v in os.environ.items() if k != RUN_CORES_ENV}, capture_output=True, text=True,
+                           cwd=REPO, check=True)
+    assert plain.stdout == "None\n"
+
+
+def test_a_cpu_server_inspects_the_models_class_in_its_own_process():
+    """vLLM inspects a model class in a new interpreter (~10 s on a machine's first run, its
+    cache empty); the forked CPU server does it in its own process, and vLLM still caches it.
+    A vLLM whose registry no longer runs it through ``_run_in_subprocess`` fails here."""
+    code = textwrap.dedent("""
+        import os, subprocess
+        from pathlib import Path
+        from inference.vllm_cpu import inspect_models_in_process
+        from vllm.model_executor.models import registry
+        inspect_models_in_process()
+        run = subprocess.run
+        def refuse(cmd, *args, **kwargs):  # the registry's own interpreter (other commands run as usual)
+            assert cmd != registry._SUBPROCESS_COMMAND, "a new interpreter"
+            return run(cmd, *args, **kwargs)
+        subprocess.run = refuse
+        from vllm.model_executor.models.registry import ModelRegistry
+        info = ModelRegistry._try_inspect_model_cls("Qwen3ForCausalLM")
+        assert info is not None and info.is_text_generation_model, info
+        print(sorted(p.name for p in (Path(os.environ["VLLM_CACHE_ROOT"]) / "modelinfos").iterdir()))
+    """)
+    with tempfile.TemporaryDirectory() as cache:
+        out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "VLLM_CACHE_ROOT": cache}, cwd=REPO,
+                             capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.splitlines()[-1] == "['vllm-model_executor-models-qwen3-Qwen3ForCausalLM.json']"

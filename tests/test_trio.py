@@ -16,7 +16,7 @@ import pytest
 
 from helpers import (
     REPO, assert_no_ipc_socket_left, assert_traced, finish, free_port, ipc_sockets_in_tmp, kill_mid_run, mask_spans, new_tag, resume,
-    start_launcher, tagged_processes, trio_toml, watched_sockets,
+    start_launcher, tagged_processes, trio_toml, watched_cores, watched_sockets,
 )
 from orchestrator.data import ExampleOrder
 from orchestrator.envs import load_env
@@ -124,6 +124,7 @@ class TmuxRun:
     left_running: list  # tagged processes alive after the run
     sockets: dict  # the UNIX sockets the run's processes bound, with their directories' modes
     tmp_before: set  # vLLM-named sockets in /tmp before the run
+    cores: dict  # the trainer's and the orchestrator's threads' cores, polled through the run
 
 
 def watch_panes(proc, server, session_name: str, drawn: Path) -> set[str]:
@@ -166,11 +167,12 @@ def tmux_run(tmp_path_factory, sampling_defaults_model) -> TmuxRun:
                                 extra=EVAL + f"\n[dashboard]\nenabled = true\nport = {free_port()}\n")
     session_name = f"prime-rl-{run_dir.name}"
     server, drawn = libtmux.Server(), tmp_path / "status-pane.txt"
-    with watched_sockets(proc.pid) as sockets:
+    modules = {"trainer": "trainer.rl", "orchestrator": "orchestrator.main"}
+    with watched_sockets(proc.pid) as sockets, watched_cores(proc.pid, modules) as cores:
         seen = watch_panes(proc, server, session_name, drawn)
         out = finish(proc, run_dir)
     return TmuxRun(run_dir, out, session_name, seen, drawn.read_text() if drawn.is_file() else "",
-                   server.has_session(session_name), tagged_processes(tag), dict(sockets), tmp_before)
+                   server.has_session(session_name), tagged_processes(tag), dict(sockets), tmp_before, dict(cores))
 
 
 def test_tmux_mode_shows_one_pane_per_process(tmux_run):
@@ -191,6 +193,21 @@ def test_vllm_leaves_no_socket_in_tmp(tmux_run):
     in a private directory the launcher made for the server and removed after it
     (``assert_no_ipc_socket_left``)."""
     assert_no_ipc_socket_left(tmux_run.sockets, tmux_run.tmp_before)
+
+
+def test_on_two_cores_the_trainer_and_the_orchestrator_leave_vllm_a_core_until_ready(tmux_run):
+    """`deployment.cpu_vllm_first`: on a machine of two cores both start with every thread on
+    the second core, vLLM's API server importing on the first, and once ready run on both
+    (their threads polled through the run: the first poll and the last); each says so."""
+    run_cores = sorted(os.sched_getaffinity(0))
+    if len(run_cores) != 2:
+        pytest.skip("the placement applies on two cores")
+    for name in ("trainer", "orchestrator"):
+        polls = tmux_run.cores[name]
+        assert polls and polls[0] == {frozenset(run_cores[1:])}, (name, polls[:3])
+        assert polls[-1] == {frozenset(run_cores)}, (name, polls[-3:])
+        log = (tmux_run.run_dir / "logs" / f"{name}.log").read_text()
+        assert f"[{name}] ready: on cores {run_cores[0]},{run_cores[1]} from now (started on {run_cores[1]} " in log
 
 
 def test_every_step_trains_once_on_the_full_softmax_and_hands_off_in_order(tmux_run):

@@ -54,6 +54,7 @@ from pathlib import Path
 import numpy as np
 from prime_rl.chat import TemplateError
 from prime_rl.config import EnvConfig, OrchestratorConfig
+from prime_rl.cores import take_back_cores
 from prime_rl.envs import Environment
 from prime_rl.heartbeat import Heartbeat
 from prime_rl.keys import API_KEY_ENV
@@ -729,6 +730,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def orchestrate(argv: list[str]) -> None:
     cfg, envs, tokenizer = setup(argv)
+    take_back_cores("orchestrator")  # started on one core while vLLM started (deployment.cpu_vllm_first)
     try:
         asyncio.run(run(cfg, envs, tokenizer))
     finally:

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from prime_rl.config import DistillConfig, LossConfig, TrainerConfig
+from prime_rl.cores import take_back_cores
 from prime_rl.heartbeat import Heartbeat
 from prime_rl.metrics import Metrics, make_metrics
 from prime_rl.rundir import checkpoint_step_dir
@@ -99,6 +100,7 @@ def train(cfg: TrainerConfig) -> None:
     sender = weight_sender(cfg, world)
     log(f"rank {world.rank}/{world.world_size} on {world.device}: {cfg.model.name}; batches from {receiver.address}")
     heartbeat.progress(f"loaded the model, next step {start}")
+    take_back_cores("trainer")  # started on one core while vLLM started (deployment.cpu_vllm_first)
     reset_peak_memory()  # perf/peak_memory_mb: the training steps' peak, not loading's transients
     nonfinite = 0  # consecutive steps skipped for a non-finite loss or gradient
     try:

@@ -32,6 +32,9 @@ class DeploymentConfig(StrictModel):
     teacher_gpus: int = Field(1, ge=1)
     """GPUs for a local `[teacher]`'s vLLM server (tensor parallel over them), after the trainer's; unused without one."""
 
+    cpu_vllm_first: bool = True
+    """On a CPU machine of two cores, with a vLLM server of the run's own: the trainer and the orchestrator start on one core, each taking back both once it is ready, so that vLLM's API server, whose imports are the longest start-up and the one the first step waits for, has the other core to itself instead of two thirds of one (the first trained step ~2.5 s sooner here: docs/benchmarks.md, "vLLM's start-up first"). False: the three share both cores from the start."""
+
 
 class SlurmConfig(StrictModel):
     """`prime-rl CONFIG.toml --slurm`: the sbatch job that runs this config (`[slurm]`)."""

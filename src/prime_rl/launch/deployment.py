@@ -276,17 +276,31 @@ def process_specs(
     plan = placement.nodes[node]
     python = sys.executable
     specs = replica_specs(config, run_dir, plan, multi=len(placement.replicas) > 1) if serve else []
+    start_cores = vllm_first_cores(config, placement, plan, serve)
     if plan.orchestrator:
         path = write_config(run_dir, "orchestrator", config.orchestrator.model_dump(mode="json"))
         specs.append(ProcessSpec("orchestrator", [python, "-m", "orchestrator.main", "--config", str(path)],
-                                 env={**QUIET, "OMP_NUM_THREADS": "1"}))
+                                 env={**QUIET, "OMP_NUM_THREADS": "1"}, start_cores=start_cores))
     if plan.trainer is not None:
         specs.append(trainer_spec(config, run_dir, placement, plan, python, job_id))
+        specs[-1].start_cores = start_cores
     if placement.teacher is not None and node == 0:
         specs.append(teacher_spec(config, run_dir, placement.teacher, python))
     if config.dashboard.enabled and node == 0:
         specs.append(dashboard_spec(config, run_dir, python))
     return specs
+
+
+def vllm_first_cores(config: RLConfig, placement: Placement, plan: NodePlan, serve: bool) -> frozenset[int] | None:
+    """`deployment.cpu_vllm_first`: the core the trainer and the orchestrator start on
+    (``prime_rl.cores``) where this node starts a vLLM server on CPU and the launcher has two
+    cores: the second, which vLLM's worker leaves free when it binds itself (to the first).
+    None (all cores from the start) otherwise: with more cores the three imports do not
+    contend, with one there is no other core to leave vLLM."""
+    cores = sorted(os.sched_getaffinity(0))
+    if not (config.deployment.cpu_vllm_first and serve and plan.replicas and placement.device == "cpu" and len(cores) == 2):
+        return None
+    return frozenset(cores[1:])
 
 
 def dashboard_spec(config: RLConfig, run_dir: Path, python: str) -> ProcessSpec:

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import hashlib
 import os
 import re
@@ -55,6 +56,7 @@ from typing import TYPE_CHECKING
 
 import psutil
 
+from prime_rl.cores import RUN_CORES_ENV, format_cores
 from prime_rl.heartbeat import Beat, heartbeat_path, read_heartbeats
 from prime_rl.keys import private_opener
 from prime_rl.launch.oom import OomKill, RunMemory
@@ -93,6 +95,9 @@ class ProcessSpec:
     # own, made at its start and removed once it stopped (``private_tmp_dir``): for a vLLM
     # server, TMPDIR, whose sockets and init files would otherwise pile up in /tmp.
     tmp_dir_env: str | None = None
+    # Cores the process starts on, fewer than the launcher's own: it takes back the launcher's
+    # (``prime_rl.cores.RUN_CORES_ENV``) once it is ready (`deployment.cpu_vllm_first`).
+    start_cores: frozenset[int] | None = None
 
 
 class ProcessFailed(RuntimeError):
@@ -169,6 +174,13 @@ def stop_strays(launched: set[int], grace_s: float = 2.0) -> list[str]:
             proc.kill()
     psutil.wait_procs(alive, timeout=5)
     return names
+
+
+def start_child(cores: frozenset[int] | None) -> None:
+    """Child-side, before exec: ``die_with_parent``, on ``cores`` when given."""
+    die_with_parent()
+    if cores is not None:
+        os.sched_setaffinity(0, cores)
 
 
 def die_with_parent() -> None:
@@ -263,6 +275,8 @@ class Launcher:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", LAUNCHER_PID_ENV: str(os.getpid()), **spec.env}
         if spec.tmp_dir_env is not None:  # made here, not in the spec: a dry run makes none
             env[spec.tmp_dir_env] = self.tmp_dirs[spec.name] = private_tmp_dir(spec.name)
+        if spec.start_cores is not None:
+            env[RUN_CORES_ENV] = format_cores(os.sched_getaffinity(0))
         return subprocess.Popen(
             spec.argv,
             stdin=subprocess.DEVNULL,
@@ -270,7 +284,7 @@ class Launcher:
             stderr=stderr,
             env=env,
             start_new_session=True,
-            preexec_fn=die_with_parent,
+            preexec_fn=functools.partial(start_child, spec.start_cores),
         )
 
     def wait(self) -> None:

@@ -1,0 +1,47 @@
+"""The cores a process starts on, and taking back the run's once it is ready.
+
+On a CPU machine of two cores, the three processes of a run each import torch at once, and
+vLLM's API server, whose start-up (~8 CPU-s of imports) is the longest and the only one the
+first step waits for, gets two thirds of a core. So the launcher starts the trainer and the
+orchestrator on one core (``ProcessSpec.start_cores``, `deployment.cpu_vllm_first`), leaving
+vLLM the other, and sets ``RUN_CORES_ENV`` to the run's cores; each process calls
+``take_back_cores`` once it is ready and runs on all of them from then on (docs/benchmarks.md,
+"vLLM's start-up first").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import psutil
+
+RUN_CORES_ENV = "PRIME_RL_RUN_CORES"
+"""The run's cores (`0,1`), set by the launcher on a process it starts on fewer of them."""
+
+
+def format_cores(cores: set[int] | frozenset[int]) -> str:
+    return ",".join(str(c) for c in sorted(cores))
+
+
+def take_back_cores(name: str) -> set[int] | None:
+    """Once process ``name`` is ready: move every thread of it, and of the processes it
+    started meanwhile (an orchestrator's environment workers), onto the run's cores
+    (``RUN_CORES_ENV``), say so in one line, and clear the variable so that later children do
+    not see it. Returns the cores, or None where the launcher started the process on all of
+    them (nothing to do). Threads and children that exit meanwhile are skipped; threads
+    started later inherit the cores of their creator."""
+    value = os.environ.pop(RUN_CORES_ENV, None)
+    if not value:
+        return None
+    cores = {int(c) for c in value.split(",")}
+    started_on = os.sched_getaffinity(0)
+    me = psutil.Process()
+    for proc in (me, *me.children(recursive=True)):
+        with contextlib.suppress(psutil.Error):
+            for thread in proc.threads():
+                with contextlib.suppress(OSError):  # exited since the listing
+                    os.sched_setaffinity(thread.id, cores)
+    print(f"[{name}] ready: on cores {format_cores(cores)} from now (started on {format_cores(started_on)} "
+          "while vLLM started: deployment.cpu_vllm_first)", flush=True)
+    return cores
