@@ -60,7 +60,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import httpx
+import httpx2
 from prime_rl.chat import TemplateError
 from prime_rl.config import FilterConfig
 from prime_rl.envs import Environment, Rollout
@@ -80,7 +80,7 @@ class EpisodeTimeout(Exception):
     """A group's episodes ran past the environment's ``episode_timeout_s``."""
 
 
-FATAL = (EnvironmentWorkerError, InferenceError, TemplateError, httpx.HTTPError)
+FATAL = (EnvironmentWorkerError, InferenceError, TemplateError, httpx2.HTTPError)
 """Failures of what every group depends on (the worker, inference, the chat template): they
 stop the run at once. Anything else a group raises is its environment's, and drops the group."""
 

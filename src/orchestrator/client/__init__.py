@@ -1,4 +1,4 @@
-"""Inference clients: plain HTTP (httpx) to vLLM's OpenAI-compatible server, or to an
+"""Inference clients: plain HTTP (httpx2) to vLLM's OpenAI-compatible server, or to an
 endpoint's chat API. By concern:
 
 - ``sampling``: the three kinds of server, one client class each (``InferenceClient`` for

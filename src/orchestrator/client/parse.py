@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
+import httpx2
 import numpy as np
 from prime_rl.envs import ToolCall
 
@@ -167,7 +167,7 @@ def probe_logprob_sum(payload: dict[str, Any], url: str) -> float:
     return total
 
 
-def reset_succeeded(response: httpx.Response) -> bool:
+def reset_succeeded(response: httpx2.Response) -> bool:
     """Whether /reset_prefix_cache did it: older servers answer an empty 200; newer ones
     {"success": bool}, false while KV blocks are still held."""
     try:

@@ -5,7 +5,7 @@
 With several replicas (one URL each in ``ClientConfig.base_url``) a generation request goes
 to the one with the fewest generation requests in flight, under one concurrency cap over all
 of them; calls meant for every replica (the health wait, a reload, the probe) go to each,
-concurrently. Each replica keeps one ``httpx.AsyncClient`` (its connections) for the pool's
+concurrently. Each replica keeps one ``httpx2.AsyncClient`` (its connections) for the pool's
 life, and every request and poll carries a timeout (``ClientConfig.timeout_s``).
 
 Retries (tenacity): a dropped or refused connection (vLLM restarting), a timeout, an
@@ -25,7 +25,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, NoReturn, TypeVar
 
-import httpx
+import httpx2
 from prime_rl.config import ClientConfig
 from tenacity import (
     AsyncRetrying,
@@ -49,7 +49,7 @@ _T = TypeVar("_T")
 class _TransientAnswer(Exception):
     """A 5xx worth another try, inside the retry loop; its answer is returned once the tries run out."""
 
-    def __init__(self, response: httpx.Response):
+    def __init__(self, response: httpx2.Response):
         self.response = response
 
 
@@ -161,7 +161,7 @@ class ReplicaPool:
         polling = AsyncRetrying(
             stop=lambda _: time.monotonic() >= deadline,
             wait=wait_fixed(poll_s),
-            retry=retry_if_exception_type((httpx.RequestError, _NotHealthy)),
+            retry=retry_if_exception_type((httpx2.RequestError, _NotHealthy)),
             retry_error_callback=still_unhealthy,
         )
         await polling(self._poll_health, replica, min(poll_s * 10, self.config.timeout_s))
@@ -171,7 +171,7 @@ class ReplicaPool:
         try:
             await self.trust.ensure(replica, timeout)
             response = await replica.http.get("/health", timeout=timeout)
-        except httpx.RequestError:
+        except httpx2.RequestError:
             self.trust.forget(replica)
             raise
         if response.status_code != 200:
@@ -185,7 +185,7 @@ class ReplicaPool:
         async def one(replica: Replica) -> str | None:
             try:
                 response = await replica.http.get("/metrics", timeout=timeout_s)
-            except httpx.HTTPError:
+            except httpx2.HTTPError:
                 return None
             return response.text if response.status_code == 200 else None
 
@@ -196,7 +196,7 @@ class ReplicaPool:
     async def post(
         self, replica: Replica, path: str, *, check: bool = True, resend_unanswered: bool = True, retry: bool = True,
         **kwargs: Any,
-    ) -> httpx.Response | None:
+    ) -> httpx2.Response | None:
         """POST to one replica, retried (``_post_with_retries``); with ``check``, anything but a
         200 in the end is an InferenceError naming the call, else None after a transport failure.
         ``resend_unanswered=False`` for calls that must not run twice: a request the server may
@@ -204,12 +204,12 @@ class ReplicaPool:
         ``retry=False``: one try, whatever the failure (a step of a protocol a failure ends)."""
         try:
             response = await self._post_with_retries(replica, path, resend_unanswered, kwargs, retry)
-        except httpx.TimeoutException:
+        except httpx2.TimeoutException:
             if not check:
                 return None
             tries = self._tries(resend_unanswered)
             raise InferenceError(f"POST {replica.url}{path}: no answer within {self.config.timeout_s:g} s ({tries})") from None
-        except httpx.RequestError as e:  # transport errors, and answers that cannot be decoded
+        except httpx2.RequestError as e:  # transport errors, and answers that cannot be decoded
             if not check:
                 return None
             tries = self._tries(resend_unanswered)
@@ -219,7 +219,7 @@ class ReplicaPool:
             raise InferenceError(f"POST {replica.url}{path} answered status {status}: {text}")
         return response
 
-    def json(self, replica: Replica, response: httpx.Response, path: str) -> Any:
+    def json(self, replica: Replica, response: httpx2.Response, path: str) -> Any:
         """The JSON of a 200 answer; one that is not JSON was not our server's (it may be what
         took the port): the replica's trust is dropped and InferenceError names the call."""
         try:
@@ -230,7 +230,7 @@ class ReplicaPool:
 
     async def _post_with_retries(
         self, replica: Replica, path: str, resend_unanswered: bool, kwargs: dict[str, Any], retry: bool = True
-    ) -> httpx.Response:
+    ) -> httpx2.Response:
         """The answer, after up to ``max_retries`` more tries of a transient failure; the last
         failure is returned (a 5xx) or raised. Without ``resend_unanswered`` only a refused
         connection (never received) and a 5xx (answered) are tried again."""
@@ -238,7 +238,7 @@ class ReplicaPool:
         # tenacity's per-call retry state costs ~25 µs (measured), so only a failure builds it.
         try:
             return await self._exchange(replica, path, kwargs)
-        except (httpx.RequestError, _TransientAnswer) as e:
+        except (httpx2.RequestError, _TransientAnswer) as e:
             first = e
         if not (retry and self.config.max_retries and _worth_another_try(first, resend_unanswered)):
             return _last_outcome(first)
@@ -250,14 +250,14 @@ class ReplicaPool:
         )
         return await retrying(self._exchange, replica, path, kwargs)
 
-    async def _exchange(self, replica: Replica, path: str, kwargs: dict[str, Any]) -> httpx.Response:
+    async def _exchange(self, replica: Replica, path: str, kwargs: dict[str, Any]) -> httpx2.Response:
         """One try: the identity proof if the replica owes one, then the POST. A transport
         error or an answer our server would not give (``DISTRUSTED_STATUS``) drops the
         replica's trust; a transient 5xx raises ``_TransientAnswer``."""
         try:
             await self.trust.ensure(replica, self.config.timeout_s)
             response = await replica.http.post(path, **kwargs)
-        except httpx.RequestError:  # connect/read/write/protocol errors, timeouts, undecodable bodies
+        except httpx2.RequestError:  # connect/read/write/protocol errors, timeouts, undecodable bodies
             self.trust.forget(replica)
             raise
         if response.status_code in DISTRUSTED_STATUS:
@@ -280,28 +280,28 @@ class ReplicaPool:
 def _worth_another_try(error: BaseException, resend_unanswered: bool) -> bool:
     if isinstance(error, _TransientAnswer):
         return True
-    return isinstance(error, httpx.RequestError) and (resend_unanswered or isinstance(error, httpx.ConnectError))
+    return isinstance(error, httpx2.RequestError) and (resend_unanswered or isinstance(error, httpx2.ConnectError))
 
 
-def _last_outcome(error: BaseException) -> httpx.Response:
+def _last_outcome(error: BaseException) -> httpx2.Response:
     """The last try's outcome, once no other try follows: a 5xx's answer, or its error."""
     if isinstance(error, _TransientAnswer):
         return error.response
     raise error
 
 
-def _http_client(url: str, config: ClientConfig, headers: dict[str, str]) -> httpx.AsyncClient:
+def _http_client(url: str, config: ClientConfig, headers: dict[str, str]) -> httpx2.AsyncClient:
     """Connections to one replica; ``headers``: the key on every request from the start
     (``trust.SentKey``), or none until the replica proved it holds it (``trust.ProvenKey``:
     the server's middleware then wants it on every route, /health included, inference.auth)."""
-    return httpx.AsyncClient(
+    return httpx2.AsyncClient(
         base_url=url,
         headers=headers,
-        timeout=httpx.Timeout(config.timeout_s),
+        timeout=httpx2.Timeout(config.timeout_s),
         # One connection per concurrent request, so the semaphore is the only limit.
         # keepalive_expiry below uvicorn's 5 s keep-alive: a pooled connection the server
         # is closing must not be reused (that shows up as a ReadError mid-run).
-        limits=httpx.Limits(
+        limits=httpx2.Limits(
             max_connections=config.max_concurrency,
             max_keepalive_connections=config.max_concurrency,
             keepalive_expiry=2.0,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-import httpx
+import httpx2
 
 
 @dataclass(eq=False)
@@ -15,7 +15,7 @@ class Replica:
 
     index: int
     url: str
-    http: httpx.AsyncClient
+    http: httpx2.AsyncClient
     in_flight: int = 0
     """Generation requests in flight here: routing picks the replica with the fewest, and a
     reload drains this replica first only when it has some."""

@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
-import httpx
+import httpx2
 from prime_rl.keys import IDENTITY_PATH, new_nonce, proves_identity
 
 from orchestrator.client.parse import InferenceError
@@ -91,7 +91,7 @@ def key_trust(api_key: str | None, own_server: bool) -> KeyTrust:
     return ProvenKey(api_key) if api_key and own_server else SentKey(api_key)
 
 
-def identity_failure(response: httpx.Response, key: str, nonce: str) -> str | None:
+def identity_failure(response: httpx2.Response, key: str, nonce: str) -> str | None:
     """None when ``response`` (to the identity challenge ``nonce``) proves knowledge of ``key``,
     else what was wrong with it."""
     if response.status_code != 200:
