@@ -28,9 +28,9 @@ def take_back_cores(name: str) -> set[int] | None:
     """Once process ``name`` is ready: move every thread of it, and of the processes it
     started meanwhile (an orchestrator's environment workers), onto the run's cores
     (``RUN_CORES_ENV``), say so in one line, and clear the variable so that later children do
-    not see it. Returns the cores, or None where the launcher started the process on all of
-    them (nothing to do). Threads and children that exit meanwhile are skipped; threads
-    started later inherit the cores of their creator."""
+    not see it. Returns the cores it runs on now, or None where the launcher started the
+    process on all of them (nothing to do). Threads and children that exit meanwhile are
+    skipped; threads started later inherit the cores of their creator."""
     value = os.environ.pop(RUN_CORES_ENV, None)
     if not value:
         return None
@@ -40,8 +40,9 @@ def take_back_cores(name: str) -> set[int] | None:
     for proc in (me, *me.children(recursive=True)):
         with contextlib.suppress(psutil.Error):
             for thread in proc.threads():
-                with contextlib.suppress(OSError):  # exited since the listing
+                with contextlib.suppress(OSError):  # exited since the listing, or a core not allowed
                     os.sched_setaffinity(thread.id, cores)
-    print(f"[{name}] ready: on cores {format_cores(cores)} from now (started on {format_cores(started_on)} "
+    now = os.sched_getaffinity(0)  # what the kernel granted (a cpuset may have narrowed since)
+    print(f"[{name}] ready: on cores {format_cores(now)} from now (started on {format_cores(started_on)} "
           "while vLLM started: deployment.cpu_vllm_first)", flush=True)
-    return cores
+    return now
