@@ -105,15 +105,13 @@ def share_worker_core(cores: set[int]) -> None:
     engine and the worker spin-wait". Nothing is moved unless the parent is vLLM's engine core."""
     import psutil
 
+    from prime_rl.cores import move_threads
+
     engine = psutil.Process().parent()
     if engine is None or not engine.name().startswith(ENGINE_TITLE):
         return
     for _ in range(2):  # once more for threads a thread started while the first pass ran
-        for thread in engine.threads():
-            try:
-                os.sched_setaffinity(thread.id, cores)
-            except OSError:  # a thread that ended meanwhile
-                pass
+        move_threads(engine, cores)
 
 
 def bind_forked_workers() -> None:

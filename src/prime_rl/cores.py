@@ -24,6 +24,16 @@ def format_cores(cores: set[int] | frozenset[int]) -> str:
     return ",".join(str(c) for c in sorted(cores))
 
 
+def move_threads(proc: psutil.Process, cores: set[int] | frozenset[int]) -> None:
+    """Every thread of ``proc`` onto ``cores``: affinity is per thread, and threads already
+    started keep their own otherwise (those started later inherit their creator's). A thread
+    that ended since the listing, or a core the kernel refuses it, is skipped; a process that
+    is gone raises psutil's error."""
+    for thread in proc.threads():
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(thread.id, cores)
+
+
 def take_back_cores(name: str) -> set[int] | None:
     """Once process ``name`` is ready: move every thread of it, and of the processes it
     started meanwhile (an orchestrator's environment workers), onto the run's cores
@@ -38,10 +48,8 @@ def take_back_cores(name: str) -> set[int] | None:
     started_on = os.sched_getaffinity(0)
     me = psutil.Process()
     for proc in (me, *me.children(recursive=True)):
-        with contextlib.suppress(psutil.Error):
-            for thread in proc.threads():
-                with contextlib.suppress(OSError):  # exited since the listing, or a core not allowed
-                    os.sched_setaffinity(thread.id, cores)
+        with contextlib.suppress(psutil.Error):  # a child that exited meanwhile
+            move_threads(proc, cores)
     now = os.sched_getaffinity(0)  # what the kernel granted (a cpuset may have narrowed since)
     print(f"[{name}] ready: on cores {format_cores(now)} from now (started on {format_cores(started_on)} "
           "while vLLM started: deployment.cpu_vllm_first)", flush=True)
