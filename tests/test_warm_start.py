@@ -33,6 +33,7 @@ from prime_rl.launch import warm
 from prime_rl.cli import main
 from prime_rl.config import RLConfig
 from prime_rl.launch.deployment import Replica
+from prime_rl.tokenizer import tokenizer_digest
 from prime_rl.keys import identity_proof, nonce_bytes
 from prime_rl.launch.launcher import tail
 from prime_rl.rundir import config_path, log_path, metrics_path, read_jsonl
@@ -59,7 +60,7 @@ def a_state(model: Path, port: int = 18000, **changes) -> warm.ServerState:
     state = warm.ServerState(
         url=f"http://127.0.0.1:{port}", host="127.0.0.1", port=port, replica=0, replicas=1, pid=os.getpid(),
         started_unix=time.time(), model=str(model), served_model_name=str(model), architecture=warm.architecture(folder),
-        tokenizer_sha256=warm.tokenizer_digest(folder), dtype="float32", seq_len=96, max_lora_rank=None,
+        tokenizer_sha256=tokenizer_digest(folder), dtype="float32", seq_len=96, max_lora_rank=None,
         tool_call_parser=None, api_key_set=False, config=["/somewhere/rl.toml"], log="/somewhere/inference.log",
     )
     return state.model_copy(update=changes)
@@ -67,7 +68,7 @@ def a_state(model: Path, port: int = 18000, **changes) -> warm.ServerState:
 
 def needs(model: Path, **changes) -> warm.RunNeeds:
     folder = warm.model_folder(str(model))
-    need = warm.RunNeeds(model=str(model), architecture=warm.architecture(folder), tokenizer_sha256=warm.tokenizer_digest(folder),
+    need = warm.RunNeeds(model=str(model), architecture=warm.architecture(folder), tokenizer_sha256=tokenizer_digest(folder),
                          dtype="float32", seq_len=96, lora=False, tool_call_parser=None, tool_env=None, api_key_set=False)
     return warm.RunNeeds(**{**need.__dict__, **changes})
 

@@ -23,6 +23,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 
+import prime_rl.tokenizer
 from prime_rl.config import ClientConfig, EvalRunConfig, EvalTarget, GepaRunConfig, SamplingConfig, check_model_path
 from prime_rl.envs import Environment, ModelClient
 from prime_rl.registry import tool_parser_problem
@@ -57,11 +58,9 @@ def _interrupt(signum, frame) -> None:
 
 
 def load_tokenizer(name: str):
-    from transformers import AutoTokenizer
-
     try:
         check_model_path(name, "tokenizer")  # a missing local path fails now, not after hub retries
-        return AutoTokenizer.from_pretrained(name)
+        return prime_rl.tokenizer.load_tokenizer(name)
     except (OSError, ValueError) as e:
         raise ConfigError(f"cannot load the tokenizer of {name!r}: {e}") from None
 

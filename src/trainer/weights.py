@@ -21,23 +21,12 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 from torch import nn
 
+from prime_rl.tokenizer import TOKENIZER_FILES
 from prime_rl.rundir import checkpoints_dir, complete_steps, prune_step_dirs, weights_dir, write_step_dir
 from trainer.lora import is_lora, write_adapter_folder
 
 GENERATION_CONFIG = "generation_config.json"
 
-# Non-weight files of an HF model folder worth carrying along (small; tokenizer + template).
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "chat_template.jinja",
-    "chat_template.json",
-    "vocab.json",
-    "merges.txt",
-    "tokenizer.model",
-)
 
 
 def full_state_dict(model: nn.Module, dtype: torch.dtype | None = None, trainable_only: bool = False) -> dict[str, torch.Tensor]:

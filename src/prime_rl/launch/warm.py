@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import json
 import os
 import secrets
@@ -63,6 +62,7 @@ from prime_rl.launch.ports import try_bind
 from prime_rl.launch.resolve import attached
 from prime_rl.rundir import weights_step_dir, write_json_atomic
 from prime_rl.settings import ConfigError
+from prime_rl.tokenizer import TOKENIZER_FILES, tokenizer_digest
 
 SERVERS_DIR_ENV = "PRIME_RL_SERVERS_DIR"
 
@@ -70,12 +70,6 @@ SERVERS_DIR_ENV = "PRIME_RL_SERVERS_DIR"
 # dtype (the server's dtype is compared instead), the generation cache switch.
 UNSHAPING_FIELDS = frozenset({"_name_or_path", "_commit_hash", "transformers_version", "dtype", "torch_dtype", "use_cache"})
 
-# The tokenizer files trainer.weights carries into every weights/step_N (that module imports
-# torch; this one may not).
-TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
-    "chat_template.json", "vocab.json", "merges.txt", "tokenizer.model",
-)
 
 
 class ServerState(BaseModel):
@@ -188,16 +182,6 @@ def architecture(folder: Path) -> dict[str, Any]:
     except (OSError, ValueError) as e:
         raise ConfigError(f"{folder / 'config.json'}: unreadable ({e})") from None
     return {k: v for k, v in config.items() if k not in UNSHAPING_FIELDS}
-
-
-def tokenizer_digest(folder: Path) -> str:
-    """sha256 over the tokenizer files present (name and bytes)."""
-    digest = hashlib.sha256()
-    for name in TOKENIZER_FILES:
-        path = folder / name
-        if path.is_file():
-            digest.update(name.encode() + b"\0" + path.read_bytes() + b"\0")
-    return digest.hexdigest()
 
 
 # --------------------------------------------------------------------------- state files
