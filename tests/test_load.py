@@ -423,3 +423,26 @@ def test_an_environment_of_short_episodes_without_programs_grows_after_a_second(
         return peak[0]
 
     assert run(go()) >= 16
+
+
+def test_an_environment_that_runs_no_programs_starts_a_whole_step_at_once(tmp_path):
+    """reverse-text declares its episodes start no programs: its groups do not wait for a
+    poll; the same environment in a worker process (whose episodes the limiter cannot see
+    into beforehand) still starts with one group."""
+    from orchestrator.envs.reverse_text import load_environment
+
+    env = load_environment(num_examples=8)
+    assert env.runs_programs is False
+
+    async def go(workers: dict[str, int]):
+        limiter = EpisodeLimiter(LoadConfig(inference_signals=False, poll_s=5.0), tmp_path, [("a", env)], workers, None,
+                                 log=lambda m: None)
+        await limiter.start()
+        tasks, release = holding_groups(limiter, "a", 8, 32)
+        await asyncio.sleep(0.2)
+        flying = limiter.in_flight["a"]
+        await let_go(limiter, tasks, release)
+        return flying
+
+    assert run(go({})) == 256
+    assert run(go({"a": os.getpid()})) == 8

@@ -300,6 +300,8 @@ def make_rubric(similarity_power: float, power_per_turn: bool) -> Rubric:
 
 
 class AlphabetSortEnv(MultiTurnEnv):
+    runs_programs = False  # its episodes only exchange messages
+
     def is_completed(self, messages: Messages, state: State) -> bool:
         return sum(m.get("role") == "assistant" for m in messages) >= state["info"]["num_turns"]
 

@@ -319,10 +319,12 @@ def load_environment(**args: Any) -> SingleTurnEnv:
         row["task"] = ENV
     parser = Parser(extract_fn=final_answer)
     default_prompt = BOXED_SYSTEM_PROMPT if a.answer_format == "boxed" else HASH_SYSTEM_PROMPT
-    return SingleTurnEnv(
+    env = SingleTurnEnv(
         dataset=train,
         eval_dataset=eval_rows or None,
         system_prompt=default_prompt if a.system_prompt is None else a.system_prompt,
         parser=parser,
         rubric=make_rubric(parser, a.answer_format),
     )
+    env.runs_programs = False  # math-verify checks the answer in this process's threads
+    return env

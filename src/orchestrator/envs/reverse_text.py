@@ -95,7 +95,7 @@ def load_environment(**args: Any) -> SingleTurnEnv:
     rubric = Rubric(funcs=[lcs_reward], parser=parser)
     if a.answer_format == "xml":
         rubric.add_reward_func(parser.get_format_reward_func(), weight=0.0)
-    return SingleTurnEnv(
+    env = SingleTurnEnv(
         dataset=make_rows(a.num_examples, a.min_len, a.max_len, a.seed),
         # a different seed than any training seed a run is likely to use
         eval_dataset=make_rows(a.num_eval_examples, a.min_len, a.max_len, a.seed + 10_000) if a.num_eval_examples else None,
@@ -103,3 +103,5 @@ def load_environment(**args: Any) -> SingleTurnEnv:
         parser=parser,
         rubric=rubric,
     )
+    env.runs_programs = False  # a reply and a string comparison
+    return env

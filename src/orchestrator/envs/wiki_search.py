@@ -616,6 +616,8 @@ def make_rubric(judge: Judge | None) -> Rubric:
 class WikiSearchEnv(StatefulToolEnv):
     """The three wiki tools, with the wiki injected as their hidden ``wiki`` argument."""
 
+    runs_programs = False  # its episodes only exchange messages and search an index in memory
+
     def __init__(self, wiki: Wiki, origin: str = "", **kwargs: Any):
         super().__init__(error_formatter=_tool_error, **kwargs)
         self.wiki = wiki

@@ -104,6 +104,8 @@ class WordleEnv(MultiTurnEnv):
     message had no guess), ``feedback`` (G/Y/X of each valid guess), ``messages`` (the
     environment's answer to each attempt) and ``solved``."""
 
+    runs_programs = False  # its episodes only exchange messages
+
     def __init__(self, allowed: frozenset[str] | None, **kwargs: Any):
         super().__init__(max_turns=MAX_GUESSES, **kwargs)
         self.allowed = allowed  # None: any 5 letters a-z

@@ -40,6 +40,12 @@ class Environment:
     max_turns: int = 1
     tool_defs: list[dict[str, Any]] = []
     """OpenAI tool schemas offered to the model on every call (``ToolEnv`` fills them)."""
+    runs_programs: bool = True
+    """Whether an episode may start processes (a sandboxed tool call, a program a reward
+    runs). The orchestrator's episode limiter then starts this environment's first episodes
+    a group at a time and measures their memory before it lets many run at once (its slow
+    start, ``orchestrator.load``). An environment whose episodes never do sets it False: they
+    hold nothing outside the orchestrator's own memory, and a whole step starts at once."""
 
     def __init__(
         self,
