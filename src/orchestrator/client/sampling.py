@@ -41,7 +41,7 @@ from orchestrator.client.parse import (
     parse_prompt_logprobs,
     parse_prompt_top_k,
 )
-from orchestrator.client.pool import ReplicaPool
+from orchestrator.client.pool import HEALTH_POLL_S, ReplicaPool
 from orchestrator.client.trust import key_trust
 
 
@@ -58,7 +58,7 @@ class _PoolClient:
     async def close(self) -> None:
         await self.pool.close()
 
-    async def wait_healthy(self, timeout_s: float, poll_s: float = 0.5) -> None:
+    async def wait_healthy(self, timeout_s: float, poll_s: float = HEALTH_POLL_S) -> None:
         await self.pool.wait_healthy(timeout_s, poll_s)
 
 
