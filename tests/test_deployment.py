@@ -247,6 +247,9 @@ def test_wiki_search_config_dry_run_prints_its_eight_gpu_placement(tmp_path):
         (f"CUDA_VISIBLE_DEVICES={i}", str(8000 + i), "1") for i in range(4)
     ]
     assert (tmp_path / "run" / "configs" / "inference-3.json").is_file()
+    cores = sorted(os.sched_getaffinity(0))  # deployment.cpu_vllm_first: on two cores, the second until ready
+    said = f"orchestrator and trainer start on core {cores[-1]} while vLLM starts"
+    assert (said in out.stdout) == (len(cores) == 2), out.stdout[-1500:]
 
 
 def test_wiki_search_dry_run_shows_each_replicas_tensor_parallel_vllm_command(tmp_path):

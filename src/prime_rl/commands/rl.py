@@ -16,7 +16,8 @@ from prime_rl.config import RLConfig
 from prime_rl.launch.deployment import (
     Placement, count_gpus, dashboard_url, describe, gpu_memory_bytes, plan_single_node, process_specs, rl_bindings,
 )
-from prime_rl.launch.launcher import run, tmux_available
+from prime_rl.cores import format_cores
+from prime_rl.launch.launcher import ProcessSpec, run, tmux_available
 from prime_rl.launch.memory import estimate_run
 from prime_rl.vllm_command import on_cpu
 from prime_rl.launch.ports import port_problems
@@ -96,6 +97,8 @@ def main(argv: list[str]) -> int:
     make_dir(run_dir, RL_OUTPUT_DIR)
     specs = process_specs(config, run_dir, placement, serve=not servers)
     show_placement(config, placement, gpus, attached=bool(servers))
+    for line in start_core_lines(specs):
+        print(f"[prime-rl] {line}", flush=True)
     if dry_run:
         for line in memory:
             print(f"[prime-rl] {line}", flush=True)
@@ -173,6 +176,16 @@ def show_placement(config: RLConfig, placement: Placement, gpus: int, attached: 
               "(vLLM-CPU replicas, gloo trainer ranks):", flush=True)
     for line in describe(placement, config, replicas=not attached):
         print(f"[prime-rl]   {line}" if both else f"[prime-rl] {line}", flush=True)
+
+
+def start_core_lines(specs: list[ProcessSpec]) -> list[str]:
+    """The processes that start on fewer cores while vLLM starts (`deployment.cpu_vllm_first`), as a line."""
+    late = [s for s in specs if s.start_cores is not None]
+    if not late:
+        return []
+    names = " and ".join(s.name for s in late)
+    return [f"{names} start on core {format_cores(late[0].start_cores)} while vLLM starts, each taking back all of "
+            "the run's cores once ready (deployment.cpu_vllm_first)"]
 
 
 def check_engine_build(gpus: int, dry_run: bool) -> None:

@@ -17,6 +17,7 @@ This module plans and writes each process's config; ``prime_rl.launch.launcher``
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import secrets
 import shutil
@@ -282,8 +283,7 @@ def process_specs(
         specs.append(ProcessSpec("orchestrator", [python, "-m", "orchestrator.main", "--config", str(path)],
                                  env={**QUIET, "OMP_NUM_THREADS": "1"}, start_cores=start_cores))
     if plan.trainer is not None:
-        specs.append(trainer_spec(config, run_dir, placement, plan, python, job_id))
-        specs[-1].start_cores = start_cores
+        specs.append(dataclasses.replace(trainer_spec(config, run_dir, placement, plan, python, job_id), start_cores=start_cores))
     if placement.teacher is not None and node == 0:
         specs.append(teacher_spec(config, run_dir, placement.teacher, python))
     if config.dashboard.enabled and node == 0:
