@@ -93,6 +93,7 @@ HOLD = "import sys, time; x = b'1' * 60_000_000; print('up', flush=True); time.s
 
 def load_environment(**args):
     env = reverse_text(**args)
+    env.runs_programs = True  # reverse-text's own episodes start none; these each start one
     play = env.rollout_group
 
     async def rollout_group(client, example, n):
@@ -179,6 +180,7 @@ time.sleep(60)
 
 def load_environment(flag="", cgroup="", after="", **args):
     env = reverse_text(**args)
+    env.runs_programs = True  # reverse-text's own episodes start none; this one may start one
     play = env.rollout_group
 
     async def rollout_group(client, example, n):

@@ -45,7 +45,8 @@ class Environment:
     runs). The orchestrator's episode limiter then starts this environment's first episodes
     a group at a time and measures their memory before it lets many run at once (its slow
     start, ``orchestrator.load``). An environment whose episodes never do sets it False: they
-    hold nothing outside the orchestrator's own memory, and a whole step starts at once."""
+    hold nothing outside the orchestrator's own memory, and a whole step starts at once. One
+    built on such an environment whose episodes do start programs sets it back to True."""
 
     def __init__(
         self,
