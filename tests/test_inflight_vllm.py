@@ -16,6 +16,7 @@ from prime_rl.wire import decode_batch, encode_batch, sample_arrays
 
 from orchestrator.batch import ScoredRollout, pack_batches
 from orchestrator.client import FULL_DISTRIBUTION, InferenceClient, cache_salt
+from orchestrator.load import parse_signals
 from trainer.loss import policy_loss
 
 from helpers import standalone_server
@@ -106,7 +107,8 @@ def test_a_reload_mid_completion_trains_each_token_on_the_logprob_it_was_sampled
 
     async def attempt():
         """(ids, logprobs, tokens before the reload began, tokens out when it returned,
-        whether the server served other weights after the reload)."""
+        whether the server served other weights after the reload, the requests vLLM counted
+        as preempted during the reload and those the client counted as frozen)."""
         client = InferenceClient(ClientConfig(base_url=server, timeout_s=120), str(tiny_model))
         http = httpx.AsyncClient(base_url=server, timeout=120)
         started = asyncio.Event()
@@ -116,14 +118,17 @@ def test_a_reload_mid_completion_trains_each_token_on_the_logprob_it_was_sampled
             completion = asyncio.ensure_future(
                 streamed_completion(http, str(tiny_model), LONG, cache_salt(0), started, 40, ids=received))
             await started.wait()
-            client.pool.replicas[0].in_flight += 1  # the stream above is this client's request in flight
+            replica = client.pool.replicas[0]
+            replica.in_flight, replica.sequences = 1, 1  # the stream above is this client's request in flight
+            counted = parse_signals(await client.server_metrics()).preemptions
             await client.reload_weights(other_weights, 1, keep=True)
-            client.pool.replicas[0].in_flight -= 1
+            replica.in_flight, replica.sequences = 0, 0
             at_reload = len(received)
             (probe_new,) = await client.probe_replicas()
             ids, logprobs, before = await completion
+            counted = parse_signals(await client.server_metrics()).preemptions - counted  # vLLM publishes with its next outputs
             await client.reload_weights(tiny_model, 0)  # the module's server serves the tiny model again
-            return ids, logprobs, before, at_reload, probe_new != probe_old
+            return ids, logprobs, before, at_reload, probe_new != probe_old, counted, client.frozen_by_reloads()
         finally:
             await http.aclose()
             await client.close()
@@ -133,7 +138,7 @@ def test_a_reload_mid_completion_trains_each_token_on_the_logprob_it_was_sampled
     # run saw all 1500 tokens carry the old policy's logprobs). Only then, with the reload
     # proven to have loaded the other weights, is the attempt repeated.
     for _ in range(3):
-        ids, logprobs, before, at_reload, reloaded = asyncio.run(attempt())
+        ids, logprobs, before, at_reload, reloaded, preempted, frozen = asyncio.run(attempt())
         assert reloaded, "the server serves the same weights after the reload"
         old, sampled = hf_logprobs(tiny_model, PROMPT, ids), np.asarray(logprobs, dtype=np.float32)
         gap = np.abs(sampled - old)
@@ -146,6 +151,9 @@ def test_a_reload_mid_completion_trains_each_token_on_the_logprob_it_was_sampled
     switch = int(np.argmax(gap > 1e-2))
     assert before <= switch < LONG - 100, (before, switch, at_reload)
     assert gap[-100:].mean() > 0.05, gap[-100:]
+    # vLLM counts the request the pause froze as preempted (its pause resets the prefix cache
+    # with the running requests' KV): the episode limiter takes the client's count out.
+    assert preempted == frozen == 1, (preempted, frozen)
 
     # The sample records both versions and every token's own logprob; the loss uses them.
     rollout = Rollout(0, [Turn(PROMPT, ids, logprobs, versions=(0, 1))], reward=1.0)

@@ -72,6 +72,20 @@ def test_the_inference_cap_is_cut_on_preemption_and_a_full_cache_and_grows_back_
     assert cap.update(Signals(0.5, 5, 0), in_flight=8, group=8) == (None, 0.0)  # 24 > 2 x 8: lifted
 
 
+def test_requests_a_reload_froze_are_not_preemptions_even_when_counted_a_poll_late():
+    """vLLM counts the running requests a reload's pause froze as preempted (they recompute on
+    the new weights); the client counts those in flight at each such reload, an upper bound."""
+    cap = InferenceCap()
+    cap.update(Signals(0.01, 0, 0), in_flight=512, group=8, frozen=0)
+    # a reload froze the 300 in flight; vLLM preempted its 256 running ones: no cut
+    assert cap.update(Signals(0.01, 256, 0), in_flight=512, group=8, floor=256, now=10, frozen=300) == (None, 0.0)
+    # the next reload's 244 land a poll after it
+    assert cap.update(Signals(0.01, 256, 0), in_flight=512, group=8, floor=256, now=20, frozen=600) == (None, 0.0)
+    assert cap.update(Signals(0.01, 500, 0), in_flight=512, group=8, floor=256, now=30, frozen=600) == (None, 0.0)
+    # beyond what reloads froze, preemptions cut (an excuse lasts one poll)
+    assert cap.update(Signals(0.01, 600, 0), in_flight=400, group=8, floor=256, now=40, frozen=620) == (300, 80.0)
+
+
 def footprint_measure(episodes: dict, in_flight: dict, programs: dict | None = None) -> Measure:
     return Measure(0, None, episodes, programs or {}, in_flight, {})
 

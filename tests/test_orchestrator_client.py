@@ -245,11 +245,13 @@ def test_reload_weights_with_a_request_in_flight_drains_it_first(tmp_path):
         await asyncio.to_thread(entered.wait, 10)  # the request is at the server
         await client.reload_weights(tmp_path)
         release.set()
-        return await request
+        await request
+        return client.frozen_by_reloads()
 
     with FakeInferenceServer(responder=held) as server:
-        run_with_client(server, reload_while_generating)
+        frozen = run_with_client(server, reload_while_generating)
     assert server.admin_calls() == ["/pause?mode=wait", "/collective_rpc", "/reset_prefix_cache", "/resume"]
+    assert frozen == 0  # drained, not frozen: vLLM preempts nothing
 
 
 def test_an_in_flight_reload_keeps_the_request_and_labels_it_with_both_versions(tmp_path):
@@ -265,12 +267,14 @@ def test_an_in_flight_reload_keeps_the_request_and_labels_it_with_both_versions(
         await asyncio.sleep(0)  # the reload has begun: a request made now waits for it
         second = asyncio.ensure_future(complete(client, max_tokens=4))
         await reload
+        frozen = client.frozen_by_reloads()
         release.set()
-        return await first, await second
+        return await first, await second, frozen
 
     with FakeInferenceServer(responder=held) as server:
-        first, second = run_with_client(server, go)
+        first, second, frozen = run_with_client(server, go)
     assert server.admin_calls() == ["/pause?mode=keep", "/collective_rpc", "/resume"]
+    assert frozen == 1  # the request in flight at the pause, which vLLM counts as preempted
     assert (first.versions, second.versions) == ((0, 1), (1, 1))
     generation = [(path, body) for _, path, body in server.calls if path == "/v1/completions"]
     assert [body["cache_salt"] for _, body in generation] == [cache_salt(0), cache_salt(1)]

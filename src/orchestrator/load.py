@@ -42,7 +42,11 @@ starved by smaller ones behind it). A group starts when all three bounds allow i
 - **Inference** (``inference_signals``). vLLM's `/metrics`: when it preempts requests or its
   KV cache is 95% full, the cap on all episodes in flight drops to three quarters of those in
   flight (at most once every 5 s, never under one step's episodes, which the async pipeline
-  needs in flight: on CPU vLLM preempts now and then at any load); while the cache is under 80% full, nothing is preempted and no request waits in its
+  needs in flight). vLLM's preemption counter also counts the requests a reload with
+  generation in flight froze: its pause resets the prefix cache and they recompute on the new
+  weights (the quickstart logged "inference is full (KV cache 1%, 74 requests preempted)"
+  for that). The sequences in flight at each such reload (``Replica.frozen``) are taken out
+  of it. While the cache is under 80% full, nothing is preempted and no request waits in its
   queue, it grows by a group a poll, and is lifted once it passes twice the episodes in
   flight. (The reference trainer
   sizes its in-flight rollouts the same way.) A server without `/metrics` (an endpoint)
@@ -168,15 +172,28 @@ class InferenceCap:
     cut_at: float = -math.inf
     """When the cap was last cut."""
 
-    def update(self, signals: Signals, in_flight: int, group: int, floor: int = 0, now: float = 0.0
-               ) -> tuple[int | None, float]:
+    frozen: float | None = None
+    """The client's count of requests its reloads froze, at the last update."""
+
+    excused: float = 0.0
+    """Of the last poll's frozen requests, those vLLM had not counted yet (a reload's count may
+    land in the next poll)."""
+
+    def update(self, signals: Signals, in_flight: int, group: int, floor: int = 0, now: float = 0.0,
+               frozen: float = 0.0) -> tuple[int | None, float]:
         """The new cap after one poll's ``signals`` with ``in_flight`` episodes; ``group`` is
         the step of growth, ``floor`` the lowest cap (at least a group: one step's episodes,
         which the async pipeline needs in flight); ``now`` in seconds, for one cut per
-        ``CUT_EVERY_S`` (the engine needs a while to drain). Returns (cap, requests preempted
-        since the previous poll)."""
-        preempted = 0.0 if self.preemptions is None else max(0.0, signals.preemptions - self.preemptions)
-        self.preemptions = signals.preemptions
+        ``CUT_EVERY_S`` (the engine needs a while to drain); ``frozen``, the sequences the
+        orchestrator's reloads froze so far (a counter, ``Replica.frozen``), which vLLM counts
+        as preempted and which are taken out. Returns (cap, requests preempted since the
+        previous poll besides those the reloads froze)."""
+        counted = 0.0 if self.preemptions is None else max(0.0, signals.preemptions - self.preemptions)
+        new_frozen = 0.0 if self.frozen is None else max(0.0, frozen - self.frozen)
+        self.preemptions, self.frozen = signals.preemptions, frozen
+        excused = self.excused + new_frozen
+        preempted = max(0.0, counted - excused)
+        self.excused = min(new_frozen, max(0.0, excused - counted))
         if preempted > 0 or signals.kv_usage >= KV_HIGH:
             if now - self.cut_at >= CUT_EVERY_S:
                 self.cut_at = now
@@ -561,7 +578,8 @@ class EpisodeLimiter:
             return
         total = sum(self.in_flight.values())
         before = self.inference.cap
-        cap, preempted = self.inference.update(signals, total, self._group or 1, self.inference_floor, time.monotonic())
+        cap, preempted = self.inference.update(signals, total, self._group or 1, self.inference_floor, time.monotonic(),
+                                               frozen=self.client.frozen_by_reloads())
         w = self._window
         w.kv_max = max(w.kv_max or 0.0, signals.kv_usage)
         w.preempted += preempted

@@ -175,6 +175,8 @@ class VllmAdmin:
         try:
             if drain:
                 await self.pool.post(replica, "/pause", params={"mode": mode})
+                if mode == "keep":
+                    replica.frozen += replica.sequences
             await loader.load(self.pool, replica, source)
             if not (drain and mode == "keep"):
                 await self._reset_prefix_cache(replica)

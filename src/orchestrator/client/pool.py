@@ -93,21 +93,24 @@ class ReplicaPool:
     # ----------------------------------------------------------------------- routing
 
     @contextlib.asynccontextmanager
-    async def generation(self) -> AsyncIterator[Replica]:
-        """A slot for one generation request and the replica it goes to, counted in flight
-        there; never while generation is held."""
+    async def generation(self, sequences: int = 1) -> AsyncIterator[Replica]:
+        """A slot for one generation request of ``sequences`` sequences (its `n`, or its
+        prompts) and the replica it goes to, counted in flight there; never while generation
+        is held."""
         await self._serving.wait()
         async with self.slots:
             while not self._serving.is_set():  # a hold began while this one waited for a slot
                 await self._serving.wait()
             replica = self._pick_replica()
             replica.in_flight += 1
+            replica.sequences += sequences
             replica.requests += 1
             try:
                 yield replica
                 self.answered += 1
             finally:
                 replica.in_flight -= 1
+                replica.sequences -= sequences
 
     @contextlib.asynccontextmanager
     async def any_replica(self) -> AsyncIterator[Replica]:

@@ -20,8 +20,17 @@ class Replica:
     """Generation requests in flight here: routing picks the replica with the fewest, and a
     reload drains this replica first only when it has some."""
 
+    sequences: int = 0
+    """The sequences those requests generate (a request asks for `n`; vLLM runs each apart)."""
+
     requests: int = 0
     """Generation requests sent here so far (the metrics' `inference/requests/<index>`)."""
+
+    frozen: int = 0
+    """Sequences in flight here when a reload froze them (a pause with `keep`), in all. vLLM's
+    pause then resets its prefix cache with the running sequences' KV, counting each as
+    preempted (they recompute on the new weights): the episode limiter takes these out of
+    vLLM's preemption counter, an upper bound (sequences still queued are not preempted)."""
 
     trusted: bool = False
     """It proved it holds the key (identity challenge): its requests carry the key."""

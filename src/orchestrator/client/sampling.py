@@ -99,6 +99,10 @@ class InferenceClient(_PoolClient):
         """``ReplicaPool.metrics_texts``: vLLM's own figures, for the episode limiter."""
         return await self.pool.metrics_texts(timeout_s)
 
+    def frozen_by_reloads(self) -> int:
+        """Sequences in flight when reloads froze them, over all replicas (``Replica.frozen``)."""
+        return sum(replica.frozen for replica in self.pool.replicas)
+
     async def reload_weights(self, weights: Path | str | Announcement, version: int | None = None, *, keep: bool = False) -> None:
         """``VllmAdmin.reload_weights``."""
         await self.admin.reload_weights(weights, version, keep=keep)
@@ -125,7 +129,7 @@ class InferenceClient(_PoolClient):
             "return_token_ids": True,
             "n": n,
         }
-        async with self.pool.generation() as replica:
+        async with self.pool.generation(n) as replica:
             sent = self.served.version
             body["cache_salt"] = cache_salt(sent)
             response = await self.pool.post(replica, "/v1/completions", json=body)
@@ -193,7 +197,7 @@ class TeacherClient(_PoolClient):
     async def _prompt_choices(self, prompts: list[list[int]], k: int) -> tuple[list[Any], str]:
         """The completion choices of one request scoring ``prompts`` with ``prompt_logprobs = k``, and the URL asked."""
         body = {"model": self.model_name, "prompt": [list(p) for p in prompts], "max_tokens": 1, "prompt_logprobs": k}
-        async with self.pool.generation() as replica:
+        async with self.pool.generation(len(prompts)) as replica:
             response = await self.pool.post(replica, "/v1/completions", json=body)
         payload = self.pool.json(replica, response, "/v1/completions")
         choices = payload.get("choices") if isinstance(payload, dict) else None
@@ -240,7 +244,7 @@ class ChatClient(_PoolClient):
             body["max_tokens"] = max_tokens
         if temperature is not None:
             body["temperature"] = temperature
-        async with self.pool.generation() as replica:
+        async with self.pool.generation(n) as replica:
             path = "/chat/completions" if replica.url.endswith("/v1") else "/v1/chat/completions"
             response = await self.pool.post(replica, path, json=body)
         payload = self.pool.json(replica, response, path)
