@@ -42,7 +42,7 @@ starved by smaller ones behind it). A group starts when all three bounds allow i
 - **Inference** (``inference_signals``). vLLM's `/metrics`: when it preempts requests or its
   KV cache is 95% full, the cap on all episodes in flight drops to three quarters of those in
   flight (at most once every 5 s, never under one step's episodes, which the async pipeline
-  needs in flight). vLLM's preemption counter also counts the requests a reload with
+  needs in flight). vLLM's preemption counter also counts the sequences a reload with
   generation in flight froze: its pause resets the prefix cache and they recompute on the new
   weights (the quickstart logged "inference is full (KV cache 1%, 74 requests preempted)"
   for that). The sequences in flight at each such reload (``Replica.frozen``) are taken out
@@ -173,10 +173,10 @@ class InferenceCap:
     """When the cap was last cut."""
 
     frozen: float | None = None
-    """The client's count of requests its reloads froze, at the last update."""
+    """The client's count of sequences its reloads froze, at the last update."""
 
     excused: float = 0.0
-    """Of the last poll's frozen requests, those vLLM had not counted yet (a reload's count may
+    """Of the last poll's frozen sequences, those vLLM had not counted yet (a reload's count may
     land in the next poll)."""
 
     def update(self, signals: Signals, in_flight: int, group: int, floor: int = 0, now: float = 0.0,
