@@ -9,7 +9,8 @@ from the same SFT'd model, one after the other on this machine. Regimes:
   (`configs/reverse-text/rl.toml`: 256 completions of ~7 tokens a step), the exact model
   and config `bash scripts/quickstart.sh` trains; prime-rl runs it twice: cold, as
   the quickstart does, and attached to a warm inference server (`prime-rl inference`,
-  started once before those runs and not counted: TRL has no such mode); with it, where
+  started for each repeat after its other two runs and not counted: TRL has no such mode;
+  stopped before the next repeat's, since an idle vLLM server keeps a core busy); with it, where
   prime-rl's time goes (`benchmarks.profile`), the overheads against their limits
   (`benchmarks.overheads`, `benchmarks.loadgen`); the async gain is a command of its own
   (`python -m benchmarks.async_gain`);
@@ -573,22 +574,23 @@ def repeat_flags(steps: int, seed: int) -> list[str]:
 
 def measure(regime: Regime, mode: Mode, repeats: int, started: float) -> dict[str, list[Curve]]:
     """Both systems, ``repeats`` times each (repeat i with seed i on both sides), alternating
-    so drift in the machine's speed hits both alike. The warm-server runs take seed i for
-    their data order and trainer; vLLM's sampling seed is the one server's, started once."""
+    so drift in the machine's speed hits both alike. With ``mode.warm`` each repeat also runs
+    prime-rl attached to a warm server, started for it after the other two and stopped after
+    it: an idle vLLM server keeps more than a core busy, so it must not run beside them. The
+    warm run takes seed i for its data order and trainer; vLLM's sampling seed is the server's."""
     model = prepare_model(mode.recipe)
     if mode.base_model:
         model = model.parent / "base"
     print(f"[bench] {regime.name}: model ready ({time.time() - started:.0f} s)", flush=True)
-    curves: dict[str, list[Curve]] = {"prime-rl": [], "trl": []}
+    curves: dict[str, list[Curve]] = {"prime-rl": [], "trl": [], **({WARM: []} if mode.warm else {})}
     for i in range(repeats):
-        curves["prime-rl"].append(run_prime_rl(regime.config, model, WORK / regime.name / f"prime-rl-{i}", repeat_flags(mode.steps, i)))
-        curves["trl"].append(run_trl(regime.config, model, WORK / regime.name / f"trl-{i}", repeat_flags(mode.steps, i)))
+        flags, work = repeat_flags(mode.steps, i), WORK / regime.name
+        curves["prime-rl"].append(run_prime_rl(regime.config, model, work / f"prime-rl-{i}", flags))
+        curves["trl"].append(run_trl(regime.config, model, work / f"trl-{i}", flags))
+        if mode.warm:
+            with warm_server(regime.config, model, work) as warm:
+                curves[WARM].append(run_prime_rl(regime.config, model, work / f"prime-rl-warm-{i}", flags, warm, WARM))
         print(f"[bench] {regime.name}: repeat {i + 1}/{repeats} done ({time.time() - started:.0f} s)", flush=True)
-    if mode.warm:  # after the others: an idle vLLM server keeps more than a core busy
-        with warm_server(regime.config, model, WORK / regime.name) as warm:
-            curves[WARM] = [run_prime_rl(regime.config, model, WORK / regime.name / f"prime-rl-warm-{i}", repeat_flags(mode.steps, i), warm, WARM)
-                            for i in range(repeats)]
-        print(f"[bench] {regime.name}: warm-server runs done ({time.time() - started:.0f} s)", flush=True)
     return curves
 
 
