@@ -7,8 +7,8 @@ Each setting runs its shipped config (`shipped`) and one variant per knob, each 
 setting by a flag: `async_level` 0 and 2, the loss denominator (`all`: every loss token,
 against `informative`: those of samples with a nonzero advantage), advantages divided by
 their group's standard deviation, the importance correction (each of `token_mask`,
-`sequence_mask`, `truncated` and `none` but the shipped one), the learning rate (half
-and double), where vLLM's engine core runs on CPU (`inference.cpu_share_core`), and whether
+`sequence_mask`, `truncated` and `none` but the shipped one), the learning rate (half,
+1.5x and double), where vLLM's engine core runs on CPU (`inference.cpu_share_core`), and whether
 the trainer and the orchestrator leave vLLM a core while it starts (`deployment.cpu_vllm_first`). Repeat i of
 every variant runs with seed i (data order, the trainer's and vLLM's sampling), the
 variants alternating within each repeat so drift in the machine's speed hits all alike; all
@@ -59,6 +59,7 @@ VARIANTS: dict[str, tuple[str, ...]] = {
     "cpu_share_core=false": ("--inference.cpu-share-core", "false"),
     "cpu_vllm_first=false": ("--deployment.cpu-vllm-first", "false"),
     "lr/2": (),  # filled per setting from its shipped lr (``lr_flags``)
+    "lr*1.5": (),
     "lr*2": (),
 }
 """Each variant's flags over the shipped config."""
@@ -110,11 +111,13 @@ SETTINGS = {
 }
 
 
+LR_FACTORS = {"lr/2": 0.5, "lr*1.5": 1.5, "lr*2": 2.0}
+"""The lr variants: the shipped config's lr times these."""
+
+
 def variant_flags(setting: Setting, variant: str) -> list[str]:
-    if variant == "lr/2":
-        return ["--trainer.optim.lr", f"{setting.lr / 2:g}"]
-    if variant == "lr*2":
-        return ["--trainer.optim.lr", f"{setting.lr * 2:g}"]
+    if variant in LR_FACTORS:
+        return ["--trainer.optim.lr", f"{setting.lr * LR_FACTORS[variant]:g}"]
     return list(VARIANTS[variant])
 
 
