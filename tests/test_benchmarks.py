@@ -256,7 +256,7 @@ def test_each_ablation_variant_changes_one_setting_of_the_shipped_config():
         return {k for k in shipped if cfg[k] != shipped[k]}  # the processes' sections that differ
 
     assert changed("shipped") == set()
-    assert changed("lr*2") == {"trainer"} and ablations.variant_flags(setting, "lr*2") == ["--trainer.optim.lr", "0.003"]
+    assert changed("lr*2") == {"trainer"} and ablations.variant_flags(setting, "lr*2") == ["--trainer.optim.lr", "0.002"]
     assert changed("normalize_std") == {"orchestrator"}
     assert changed("importance=truncated") == {"trainer"} and changed("denominator=all") == {"trainer"}
     assert "orchestrator" in changed("async_level=0")
