@@ -23,6 +23,18 @@ import time
 from pathlib import Path
 
 
+
+def trl_schedule(optim) -> dict:
+    """The trainer's lr decay as transformers' scheduler arguments (its warm-up is not
+    mapped: the configs benchmarked against TRL have none)."""
+    if optim.decay == "none":
+        return {"lr_scheduler_type": "constant"}
+    if optim.decay == "cosine":
+        return {"lr_scheduler_type": "cosine_with_min_lr", "lr_scheduler_kwargs": {"min_lr_rate": optim.min_lr_ratio}}
+    if optim.min_lr_ratio == 0:
+        return {"lr_scheduler_type": "linear"}
+    raise SystemExit("trl_grpo: a linear decay to a floor above 0 (trainer.optim.min_lr_ratio) has no transformers schedule")
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.trl_grpo")
     parser.add_argument("config", type=Path, help="a prime-rl RL config (reverse-text)")
@@ -77,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         max_completion_length=orch.sampling.max_tokens,
         temperature=orch.sampling.temperature,
         learning_rate=optim.lr,
-        lr_scheduler_type="constant",
+        **trl_schedule(optim),
         adam_beta1=optim.betas[0],
         adam_beta2=optim.betas[1],
         weight_decay=optim.weight_decay,

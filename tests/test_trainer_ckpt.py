@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import save_file
 
 from trainer_helpers import LORA, fresh, train_step
+from prime_rl.config import OptimConfig
 from prime_rl.rundir import MARKER, WriteFailed, checkpoint_step_dir, checkpoints_dir, complete_steps, weights_dir
 from trainer.ckpt import CheckpointError, checkpoint_due, load_checkpoint, save_checkpoint
 from trainer.weights import save_weights
@@ -38,6 +39,27 @@ def test_resume_continues_exactly_like_an_uninterrupted_run(tiny_model, tmp_path
     for (name, a), b in zip(straight[0].named_parameters(), resumed[0].parameters()):
         assert torch.equal(a, b), name  # model, AdamW moments and the warm-up schedule all restored
     assert resumed[2].last_epoch == straight[2].last_epoch == 4
+
+
+def test_resume_continues_a_decaying_lr_where_it_was(tiny_model, tmp_path):
+    optim = OptimConfig(lr=1e-2, warmup_steps=1, decay="cosine", min_lr_ratio=0.1)
+    straight = fresh(tiny_model, optim=optim, total_steps=5)
+    for step in range(5):
+        train_step(*straight, step)
+
+    interrupted = fresh(tiny_model, optim=optim, total_steps=5)
+    for step in range(3):
+        train_step(*interrupted, step)
+    save_checkpoint(*interrupted, tmp_path, step=3, keep_last=1)
+
+    resumed = fresh(tiny_model, optim=optim, total_steps=5)
+    load_checkpoint(*resumed, tmp_path, step=3)
+    assert resumed[1].param_groups[0]["lr"] == pytest.approx(interrupted[1].param_groups[0]["lr"])
+    for step in range(3, 5):
+        train_step(*resumed, step)
+    for (name, a), b in zip(straight[0].named_parameters(), resumed[0].parameters()):
+        assert torch.equal(a, b), name
+    assert straight[1].param_groups[0]["lr"] < 1e-2  # it did decay
     assert resumed[1].param_groups[0]["lr"] == straight[1].param_groups[0]["lr"]
 
 

@@ -1,15 +1,48 @@
-"""Optimizer helpers: linear warm-up values and the clip-then-step guard."""
+"""Optimizer helpers: warm-up and decay values and the clip-then-step guard."""
 
 import pytest
 import torch
 
 from prime_rl.config import OptimConfig
-from trainer.optim import build_optimizer, clip_and_step, warmup_factor
+from trainer.optim import build_optimizer, clip_and_step, lr_factor, warmup_factor
 
 
 def test_warmup_is_linear_then_flat():
     assert [warmup_factor(i, 4) for i in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
     assert warmup_factor(0, 0) == 1.0
+
+
+def test_linear_decay_falls_after_the_warm_up_toward_the_floor():
+    # 2 warm-up updates, then 4 decaying ones of a 6-update run to a floor of 0.2:
+    # p = 0, 1/4, 2/4, 3/4 -> 1 - 0.8 p
+    assert [lr_factor(i, 2, "linear", 6, 0.2) for i in range(6)] == pytest.approx([0.5, 1.0, 1.0, 0.8, 0.6, 0.4])
+    assert lr_factor(9, 2, "linear", 6, 0.2) == pytest.approx(0.2)  # past the run's end: the floor
+    assert [lr_factor(i, 0, "none", 6, 0.2) for i in range(3)] == [1.0, 1.0, 1.0]
+
+
+def test_cosine_decay_follows_half_a_cosine():
+    # no warm-up, 4 updates, floor 0: p = 0, 1/4, 1/2, 3/4 -> (1 + cos(pi p)) / 2
+    expected = [1.0, (1 + 2**-0.5) / 2, 0.5, (1 - 2**-0.5) / 2]
+    assert [lr_factor(i, 0, "cosine", 4, 0.0) for i in range(4)] == pytest.approx(expected)
+    assert lr_factor(2, 0, "cosine", 4, 0.5) == pytest.approx(0.75)  # halfway between 1 and the floor
+
+
+def test_the_scheduler_applies_the_decay_and_needs_the_runs_length():
+    model = torch.nn.Linear(2, 1, bias=False)
+    optimizer, scheduler = build_optimizer(model, OptimConfig(lr=0.4, decay="linear"), total_steps=4)
+    used = []
+    for _ in range(4):
+        model(torch.tensor([[3.0, 4.0]])).sum().backward()
+        used.append(clip_and_step(model, optimizer, scheduler, max_grad_norm=1.0)[1])
+    assert used == pytest.approx([0.4, 0.3, 0.2, 0.1])
+    with pytest.raises(ValueError, match="optim.decay = 'cosine' needs the run's number of steps"):
+        build_optimizer(model, OptimConfig(decay="cosine"))
+
+
+@pytest.mark.parametrize("bad", [{"decay": "exponential"}, {"min_lr_ratio": 1.5}, {"min_lr_ratio": -0.1}])
+def test_a_decay_outside_what_is_offered_is_refused(bad):
+    with pytest.raises(ValueError):
+        OptimConfig(**bad)
 
 
 def test_clip_and_step_reports_lr_used_and_skips_non_finite_gradients():

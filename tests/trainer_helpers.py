@@ -112,7 +112,7 @@ def run_trainer_process(tmp_path: Path, config: dict, frames) -> tuple[int, str]
 LORA = LoraConfig(rank=4, alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
 
 
-def fresh(tiny_model, lora: LoraConfig | None = None):
+def fresh(tiny_model, lora: LoraConfig | None = None, optim: OptimConfig | None = None, total_steps: int | None = None):
     """The tiny model (with LoRA adapters when ``lora`` is given) and its optimizer."""
     from transformers import AutoModelForCausalLM
 
@@ -120,7 +120,8 @@ def fresh(tiny_model, lora: LoraConfig | None = None):
     if lora is not None:
         torch.manual_seed(0)  # lora_A starts random (the trainer seeds before loading, too)
         model = add_lora(model, lora)
-    optimizer, scheduler = build_optimizer(model, OptimConfig(lr=1e-2, warmup_steps=3, weight_decay=0.1))
+    optim = optim or OptimConfig(lr=1e-2, warmup_steps=3, weight_decay=0.1)
+    optimizer, scheduler = build_optimizer(model, optim, total_steps)
     return model, optimizer, scheduler
 
 

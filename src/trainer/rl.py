@@ -81,7 +81,7 @@ def train(cfg: TrainerConfig) -> None:
     if cfg.teacher_model is not None:  # `[teacher] placement = "trainer"`: frozen, beside the student
         teacher = load_teacher(cfg.teacher_model, cfg.model, world, model)
         cfg = fit_to_model(cfg, teacher, world.is_main)  # its rows are the student's: both must take them
-    optimizer, scheduler = build_optimizer(model, cfg.optim)
+    optimizer, scheduler = build_optimizer(model, cfg.optim, cfg.max_steps)
     metrics = (
         make_metrics("trainer", cfg.output_dir, CONSOLE_KEYS, cfg.wandb, cfg.model_dump(mode="json"))
         if world.is_main

@@ -55,7 +55,7 @@ def train_sft(cfg: SFTConfig) -> None:
     model = load_model(cfg.model, world)
     examples = load_examples(cfg.data.path, tokenizer, cfg.seq_len)
     batches = batch_stream(examples, cfg.data.batch_size, cfg.seed)
-    optimizer, scheduler = build_optimizer(model, cfg.optim)
+    optimizer, scheduler = build_optimizer(model, cfg.optim, cfg.max_steps)
     output_dir = Path(cfg.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / MARKER).unlink(missing_ok=True)  # the folder is incomplete until we finish

@@ -36,6 +36,12 @@ class OptimConfig(StrictModel):
     warmup_steps: int = Field(0, ge=0)
     """Linear learning-rate warm-up steps."""
 
+    decay: Literal["none", "linear", "cosine"] = "none"
+    """After the warm-up, the lr falls from `lr` toward `lr * min_lr_ratio` over the rest of the run's `max_steps`: along a line (`linear`) or half a cosine (`cosine`); `none` keeps it at `lr`. Like the warm-up it counts applied updates (a step skipped for a zero or non-finite gradient does not advance it)."""
+
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    """Where `decay` ends, as a fraction of `lr`."""
+
 
 class DistillConfig(StrictModel):
     """On-policy distillation (`[trainer.loss.distill]`, with a `[teacher]`): the teacher scores
