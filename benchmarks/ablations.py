@@ -8,7 +8,7 @@ setting by a flag: `async_level` 0 and 2, the loss denominator (`all`: every los
 against `informative`: those of samples with a nonzero advantage), advantages divided by
 their group's standard deviation, the importance correction (each of `token_mask`,
 `sequence_mask`, `truncated` and `none` but the shipped one), the learning rate (half,
-1.5x and double), where vLLM's engine core runs on CPU (`inference.cpu_share_core`), and whether
+1.5x and double), a cosine decay of the lr (alone, and with 1.5x: the one pair of flags), where vLLM's engine core runs on CPU (`inference.cpu_share_core`), and whether
 the trainer and the orchestrator leave vLLM a core while it starts (`deployment.cpu_vllm_first`). Repeat i of
 every variant runs with seed i (data order, the trainer's and vLLM's sampling), the
 variants alternating within each repeat so drift in the machine's speed hits all alike; all
@@ -32,6 +32,7 @@ regenerates RESULTS.md. What the shipped defaults are, and why, is docs/benchmar
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import time
@@ -61,6 +62,8 @@ VARIANTS: dict[str, tuple[str, ...]] = {
     "lr/2": (),  # filled per setting from its shipped lr (``lr_flags``)
     "lr*1.5": (),
     "lr*2": (),
+    "cosine": ("--trainer.optim.decay", "cosine"),
+    "lr*1.5+cosine": ("--trainer.optim.decay", "cosine"),  # and the lr factor (``LR_FACTORS``)
 }
 """Each variant's flags over the shipped config."""
 
@@ -111,14 +114,13 @@ SETTINGS = {
 }
 
 
-LR_FACTORS = {"lr/2": 0.5, "lr*1.5": 1.5, "lr*2": 2.0}
+LR_FACTORS = {"lr/2": 0.5, "lr*1.5": 1.5, "lr*2": 2.0, "lr*1.5+cosine": 1.5}
 """The lr variants: the shipped config's lr times these."""
 
 
 def variant_flags(setting: Setting, variant: str) -> list[str]:
-    if variant in LR_FACTORS:
-        return ["--trainer.optim.lr", f"{setting.lr * LR_FACTORS[variant]:g}"]
-    return list(VARIANTS[variant])
+    lr = ["--trainer.optim.lr", f"{setting.lr * LR_FACTORS[variant]:g}"] if variant in LR_FACTORS else []
+    return [*lr, *VARIANTS[variant]]
 
 
 def run_figures(curve: Curve, mode: Mode) -> dict[str, float | None]:
@@ -159,7 +161,7 @@ def section(setting: Setting, mode: Mode, summary: dict, seeds: str, stem: str) 
     keys = [*(f"time_to_{t:g}_s" for t in mode.targets), *(f"steps_to_{t:g}" for t in mode.targets),
             *(f"reward_at_{b:g}_s" for b in mode.budgets_s), *FIGURES]
     lines = [f"`benchmarks/ablations.py`, {setting.name} (`{setting.config}`): {mode.steps} steps, {seeds} a "
-             "variant, each variant one flag over the shipped config; median [min, max] over seeds, `n of m` where "
+             "variant, each variant one flag (or a named pair) over the shipped config; median [min, max] over seeds, `n of m` where "
              "some seeds never reached a level.", "",
              "| variant | " + " | ".join(keys) + " |", "|---|" + "---|" * len(keys)]
     for variant, figs in summary["figures"].items():
@@ -178,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--first-seed", type=int, default=0, help="the first repeat's seed (a follow-up adds seeds)")
     parser.add_argument("--label", default="", help="a name for a follow-up run (results/ablations-SETTING-LABEL.json), "
                         "which leaves the setting's main results as they are")
+    parser.add_argument("--steps", type=int, default=None, help="steps a run (default: the setting's)")
     parser.add_argument("--resummarize", action="store_true", help="recompute the figures, plots and RESULTS.md from stored curves")
     args = parser.parse_args(argv)
     names = [n.strip() for n in args.only.split(",") if n.strip()]
@@ -193,6 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         setting = SETTINGS[name]
         mode = setting.quick if args.quick else setting.full
+        if args.steps:
+            mode = dataclasses.replace(mode, steps=args.steps)
         stem = f"ablations-{name}" + (f"-{args.label}" if args.label else "")
         path = results / f"{stem}.json"
         if args.resummarize:

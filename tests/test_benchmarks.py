@@ -258,6 +258,9 @@ def test_each_ablation_variant_changes_one_setting_of_the_shipped_config():
     assert changed("shipped") == set()
     assert changed("lr*2") == {"trainer"} and ablations.variant_flags(setting, "lr*2") == ["--trainer.optim.lr", "0.002"]
     assert changed("normalize_std") == {"orchestrator"}
+    assert ablations.variant_flags(setting, "lr*1.5+cosine") == [
+        "--trainer.optim.lr", "0.0015", "--trainer.optim.decay", "cosine"]
+    assert changed("lr*1.5+cosine") == {"trainer"} and changed("cosine") == {"trainer"}
     assert changed("importance=truncated") == {"trainer"} and changed("denominator=all") == {"trainer"}
     assert "orchestrator" in changed("async_level=0")
     assert changed("cpu_share_core=false") == {"inference"}
