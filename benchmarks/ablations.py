@@ -8,8 +8,9 @@ setting by a flag: `async_level` 0 and 2, the loss denominator (`all`: every los
 against `informative`: those of samples with a nonzero advantage), advantages divided by
 their group's standard deviation, the importance correction (each of `token_mask`,
 `sequence_mask`, `truncated` and `none` but the shipped one), the learning rate (half,
-1.5x and double), a cosine decay of the lr (alone, and with 1.5x: the one pair of flags), where vLLM's engine core runs on CPU (`inference.cpu_share_core`), and whether
-the trainer and the orchestrator leave vLLM a core while it starts (`deployment.cpu_vllm_first`). Repeat i of
+1.5x and double), the lr's decay (`none` or `cosine`, whichever is not shipped), where vLLM's
+engine core runs on CPU (`inference.cpu_share_core`), and whether the trainer and the
+orchestrator leave vLLM a core while it starts (`deployment.cpu_vllm_first`). Repeat i of
 every variant runs with seed i (data order, the trainer's and vLLM's sampling), the
 variants alternating within each repeat so drift in the machine's speed hits all alike; all
 start from the same SFT'd model (``benchmarks.run.prepare_model``). Settings:
@@ -39,7 +40,7 @@ import time
 import tomllib
 from dataclasses import asdict, dataclass
 
-from prime_rl.config import LossConfig
+from prime_rl.config import LossConfig, OptimConfig
 
 from benchmarks.batching import SETTINGS as BATCHING_SETTINGS
 from benchmarks.run import (
@@ -62,8 +63,8 @@ VARIANTS: dict[str, tuple[str, ...]] = {
     "lr/2": (),  # filled per setting from its shipped lr (``lr_flags``)
     "lr*1.5": (),
     "lr*2": (),
-    "cosine": ("--trainer.optim.decay", "cosine"),
-    "lr*1.5+cosine": ("--trainer.optim.decay", "cosine"),  # and the lr factor (``LR_FACTORS``)
+    "decay=none": ("--trainer.optim.decay", "none"),
+    "decay=cosine": ("--trainer.optim.decay", "cosine"),
 }
 """Each variant's flags over the shipped config."""
 
@@ -91,9 +92,11 @@ class Setting:
 
     @property
     def variants(self) -> list[str]:
-        """Every variant but the importance correction the shipped config already uses."""
-        shipped = self.trainer.get("loss", {}).get("importance", LossConfig().importance)
-        return [v for v in VARIANTS if v != f"importance={shipped}"]
+        """Every variant but the importance correction and the lr decay the shipped config
+        already uses (each would rerun `shipped`)."""
+        importance = self.trainer.get("loss", {}).get("importance", LossConfig().importance)
+        decay = self.trainer.get("optim", {}).get("decay", OptimConfig().decay)
+        return [v for v in VARIANTS if v not in (f"importance={importance}", f"decay={decay}")]
 
 
 FIGURES = ("reward_first5", "reward_last5", "gain", "startup_s", "s_per_step")
@@ -114,7 +117,7 @@ SETTINGS = {
 }
 
 
-LR_FACTORS = {"lr/2": 0.5, "lr*1.5": 1.5, "lr*2": 2.0, "lr*1.5+cosine": 1.5}
+LR_FACTORS = {"lr/2": 0.5, "lr*1.5": 1.5, "lr*2": 2.0}
 """The lr variants: the shipped config's lr times these."""
 
 
@@ -161,7 +164,7 @@ def section(setting: Setting, mode: Mode, summary: dict, seeds: str, stem: str) 
     keys = [*(f"time_to_{t:g}_s" for t in mode.targets), *(f"steps_to_{t:g}" for t in mode.targets),
             *(f"reward_at_{b:g}_s" for b in mode.budgets_s), *FIGURES]
     lines = [f"`benchmarks/ablations.py`, {setting.name} (`{setting.config}`): {mode.steps} steps, {seeds} a "
-             "variant, each variant one flag (or a named pair) over the shipped config; median [min, max] over seeds, `n of m` where "
+             "variant, each variant one flag over the shipped config; median [min, max] over seeds, `n of m` where "
              "some seeds never reached a level.", "",
              "| variant | " + " | ".join(keys) + " |", "|---|" + "---|" * len(keys)]
     for variant, figs in summary["figures"].items():

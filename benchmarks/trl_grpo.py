@@ -7,7 +7,8 @@ Reads the same RL config as `prime-rl CONFIG.toml` (with the same override flags
 arguments (its own chats) and LCS reward, `rollouts_per_example` completions per prompt,
 `batch_size` completions per optimizer step in micro-batches of `micro_batch_size`,
 `sampling.max_tokens` new tokens at `sampling.temperature`, AdamW with the trainer's lr,
-betas, weight decay and clipping at a constant rate, `max_steps` steps, the seed.
+betas, weight decay, clipping and lr decay (transformers' schedule of the same shape),
+`max_steps` steps, the seed.
 Token-level loss, advantages = reward - group mean, no KL term, one pass per batch.
 Generation is TRL's CPU path (transformers `generate`). Writes one JSON row per step:
 step, reward, mean completion tokens, seconds since ``--t0`` (the command's start, set
