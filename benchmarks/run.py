@@ -12,7 +12,8 @@ from the same SFT'd model, one after the other on this machine. Regimes:
   started for each repeat after its other two runs and not counted: TRL has no such mode;
   stopped before the next repeat's, since an idle vLLM server keeps a core busy); with it, where
   prime-rl's time goes (`benchmarks.profile`), the overheads against their limits
-  (`benchmarks.overheads`, `benchmarks.loadgen`); the async gain is a command of its own
+  (`benchmarks.overheads`, `benchmarks.loadgen`, measured at the end of each repeat);
+  the async gain is a command of its own
   (`python -m benchmarks.async_gain`);
 - `generation-heavy`: a 16M-parameter model on reverse-text strings of 50-150 characters
   (`benchmarks/configs/generation-heavy.toml`: 32 completions of ~100-170 tokens a step,
@@ -384,7 +385,8 @@ def write_results_md(results: Path) -> Path:
             lines += [f"| {k} | {cell(v)} |" for k, v in data["profile"].items()]
         if data.get("overheads"):
             lines += ["", "Overheads against their limits (`benchmarks/overheads.py`, `benchmarks/loadgen.py`; "
-                      "run on the first repeat's recorded batches, each alone on the machine):", "",
+                      "at the end of each repeat, on its cold run's recorded batches, each alone on the machine; "
+                      "medians over the repeats):", "",
                       "| measure | value |", "|---|---|"]
             lines += [f"| {k} | {_num(v)} |" for k, v in data["overheads"].items()]
         if data.get("async_gain"):  # made by full runs before `benchmarks.async_gain` became a command of its own
@@ -572,17 +574,23 @@ def repeat_flags(steps: int, seed: int) -> list[str]:
     return ["--max-steps", str(steps), "--seed", str(seed)]
 
 
-def measure(regime: Regime, mode: Mode, repeats: int, started: float) -> dict[str, list[Curve]]:
+def measure(regime: Regime, mode: Mode, repeats: int, started: float,
+            limit_rounds: int | None = None) -> tuple[dict[str, list[Curve]], list[dict]]:
     """Both systems, ``repeats`` times each (repeat i with seed i on both sides), alternating
     so drift in the machine's speed hits both alike. With ``mode.warm`` each repeat also runs
     prime-rl attached to a warm server, started for it after the other two and stopped after
     it: an idle vLLM server keeps more than a core busy, so it must not run beside them. The
-    warm run takes seed i for its data order and trainer; vLLM's sampling seed is the server's."""
+    warm run takes seed i for its data order and trainer; vLLM's sampling seed is the server's.
+    With ``limit_rounds`` each repeat ends by measuring the limits its cold run is read
+    against (``limits``), so they drift with the runs: measured once after all repeats, on a
+    machine that had sped up meanwhile, they once read the orchestrator at 0.72x vLLM alone
+    where the same code read 0.88x an invocation before."""
     model = prepare_model(mode.recipe)
     if mode.base_model:
         model = model.parent / "base"
     print(f"[bench] {regime.name}: model ready ({time.time() - started:.0f} s)", flush=True)
     curves: dict[str, list[Curve]] = {"prime-rl": [], "trl": [], **({WARM: []} if mode.warm else {})}
+    measured_limits: list[dict] = []
     for i in range(repeats):
         flags, work = repeat_flags(mode.steps, i), WORK / regime.name
         curves["prime-rl"].append(run_prime_rl(regime.config, model, work / f"prime-rl-{i}", flags))
@@ -590,14 +598,16 @@ def measure(regime: Regime, mode: Mode, repeats: int, started: float) -> dict[st
         if mode.warm:
             with warm_server(regime.config, model, work) as warm:
                 curves[WARM].append(run_prime_rl(regime.config, model, work / f"prime-rl-warm-{i}", flags, warm, WARM))
+        if limit_rounds:
+            measured_limits.append(limits(model, work / f"prime-rl-{i}", limit_rounds))
         print(f"[bench] {regime.name}: repeat {i + 1}/{repeats} done ({time.time() - started:.0f} s)", flush=True)
-    return curves
+    return curves, measured_limits
 
 
-def overheads(model: Path, run_dir: Path, profile: dict, rounds: int) -> dict[str, float | None]:
-    """Transport and trainer against their limits on ``run_dir``'s recorded batches, vLLM alone
-    under a plain load generator, and the ratios the issue's targets name (``benchmarks.overheads``,
-    ``benchmarks.loadgen``); each in a process of its own with nothing else running."""
+def limits(model: Path, run_dir: Path, rounds: int) -> dict[str, float]:
+    """Transport and trainer alone on ``run_dir``'s recorded batches, and vLLM alone under a
+    plain load generator (``benchmarks.overheads``, ``benchmarks.loadgen``); each in a process
+    of its own with nothing else running."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     measured = json.loads(subprocess.run(
         [sys.executable, "-m", "benchmarks.overheads", str(run_dir), str(model)], check=True, cwd=REPO, env=env,
@@ -605,19 +615,23 @@ def overheads(model: Path, run_dir: Path, profile: dict, rounds: int) -> dict[st
     vllm_alone = json.loads(subprocess.run(
         [sys.executable, "-m", "benchmarks.loadgen", str(model), "--rounds", str(rounds)], check=True, cwd=REPO,
         capture_output=True, text=True).stdout.strip().splitlines()[-1])
+    return {**measured, **{f"vllm_alone/{k}": vllm_alone[k] for k in ("tokens_per_s", "s_per_round", "startup_s")}}
+
+
+def overheads(measured_limits: list[dict], profile: dict) -> dict[str, float | None]:
+    """The limits (each the median over the repeats that measured it) and the ratios the
+    issue's targets name: the runs' medians over the limits' medians."""
+    measured = {k: statistics.median(m[k] for m in measured_limits) for k in measured_limits[0]}
     s_per_step = profile["mean_s_per_step"]["median"]
-    limit = vllm_alone["s_per_round"] + measured["trainer/step_run_threads_s"]
+    limit = measured["vllm_alone/s_per_round"] + measured["trainer/step_run_threads_s"]
     orch_rate = profile["orchestrator/tokens_per_s"]["median"]
     return {
         **measured,
-        "vllm_alone/tokens_per_s": vllm_alone["tokens_per_s"],
-        "vllm_alone/s_per_round": vllm_alone["s_per_round"],
-        "vllm_alone/startup_s": vllm_alone["startup_s"],
         "transport share of step": measured["transport/wire_s"] / s_per_step,
         "transport / in-process copy": measured["transport/wire_s"] / measured["transport/copy_s"],
         "handoff share of step": profile["handoff_share"]["median"],
         "trainer step / bare loop step": measured["trainer/step_alone_s"] / measured["trainer/bare_step_s"],
-        "orchestrator tokens/s / vLLM alone": orch_rate / vllm_alone["tokens_per_s"] if orch_rate else None,
+        "orchestrator tokens/s / vLLM alone": orch_rate / measured["vllm_alone/tokens_per_s"] if orch_rate else None,
         # the machine's limit a step: vLLM alone generating the step's completions, then the
         # trainer alone on its batch with the run's threads, taking turns on the same cores
         "machine limit s/step": limit,
@@ -671,16 +685,15 @@ def run_regime(regime: Regime, args: argparse.Namespace, results: Path, started:
     if args.resummarize:
         data = json.loads(path.read_text())
         curves = {system: [Curve(**c) for c in runs] for system, runs in data["curves"].items()}
-        repeats = len(curves["prime-rl"])
+        repeats, measured_limits = len(curves["prime-rl"]), []
     else:
         repeats = args.repeats or mode.repeats
-        curves = measure(regime, mode, repeats, started)
+        rounds = (2 if args.quick else 6) if regime is QUICKSTART else None  # the regime whose overheads have targets
+        curves, measured_limits = measure(regime, mode, repeats, started, rounds)
         data = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": machine()}
     summary = summarize(curves, mode)
-    if regime is QUICKSTART and not args.resummarize:
-        model = prepare_model(mode.recipe)
-        data["overheads"] = overheads(model, WORK / regime.name / "prime-rl-0", summary["profile"], 2 if args.quick else 6)
-        print(f"[bench] overheads measured ({time.time() - started:.0f} s)", flush=True)
+    if measured_limits:
+        data["overheads"] = overheads(measured_limits, summary["profile"])
     targets, budgets = ", ".join(f"{t:g}" for t in mode.targets), ", ".join(f"{b:g}" for b in mode.budgets_s)
     data = {
         "date": data["date"],
