@@ -384,9 +384,10 @@ def write_results_md(results: Path) -> Path:
                       "| measure | value |", "|---|---|"]
             lines += [f"| {k} | {cell(v)} |" for k, v in data["profile"].items()]
         if data.get("overheads"):
-            lines += ["", "Overheads against their limits (`benchmarks/overheads.py`, `benchmarks/loadgen.py`; "
-                      "at the end of each repeat, on its cold run's recorded batches, each alone on the machine; "
-                      "medians over the repeats):", "",
+            lines += ["", "Overheads against their limits (`benchmarks/overheads.py`, `benchmarks/loadgen.py`, each "
+                      "alone on the machine; since 2026-12-06 16:14 measured at the end of each repeat on its cold "
+                      "run's recorded batches, medians over the repeats, each repeat's under `limits` in the JSON; "
+                      "before, once after all repeats, on the first's):", "",
                       "| measure | value |", "|---|---|"]
             lines += [f"| {k} | {_num(v)} |" for k, v in data["overheads"].items()]
         if data.get("async_gain"):  # made by full runs before `benchmarks.async_gain` became a command of its own
@@ -702,6 +703,7 @@ def run_regime(regime: Regime, args: argparse.Namespace, results: Path, started:
         "machine": data["machine"],
         **summary,
         "overheads": data.get("overheads", {}),
+        "limits": measured_limits or data.get("limits", []),
         "async_gain": data.get("async_gain", {}),
         "curves": {system: [asdict(c) for c in runs] for system, runs in curves.items()},
     }
