@@ -9,8 +9,9 @@ against `informative`: those of samples with a nonzero advantage), advantages di
 their group's standard deviation, the importance correction (each of `token_mask`,
 `sequence_mask`, `truncated` and `none` but the shipped one), the learning rate (half,
 1.5x and double), the lr's decay (`none` or `cosine`, whichever is not shipped), where vLLM's
-engine core runs on CPU (`inference.cpu_share_core`), and whether the trainer and the
-orchestrator leave vLLM a core while it starts (`deployment.cpu_vllm_first`). Repeat i of
+engine core runs on CPU (`inference.cpu_share_core`), whether the trainer and the
+orchestrator leave vLLM a core while it starts (`deployment.cpu_vllm_first`), and the
+trainer's threads (`trainer.num_threads` 1 against 2). Repeat i of
 every variant runs with seed i (data order, the trainer's and vLLM's sampling), the
 variants alternating within each repeat so drift in the machine's speed hits all alike; all
 start from the same SFT'd model (``benchmarks.run.prepare_model``). Settings:
@@ -60,6 +61,7 @@ VARIANTS: dict[str, tuple[str, ...]] = {
     "importance=sequence_mask": ("--trainer.loss.importance", "sequence_mask"),
     "cpu_share_core=false": ("--inference.cpu-share-core", "false"),
     "cpu_vllm_first=false": ("--deployment.cpu-vllm-first", "false"),
+    "num_threads=1": ("--trainer.num-threads", "1"),
     "lr/2": (),  # filled per setting from its shipped lr (``lr_flags``)
     "lr*1.5": (),
     "lr*2": (),
