@@ -39,6 +39,7 @@ def test_resume_continues_exactly_like_an_uninterrupted_run(tiny_model, tmp_path
     for (name, a), b in zip(straight[0].named_parameters(), resumed[0].parameters()):
         assert torch.equal(a, b), name  # model, AdamW moments and the warm-up schedule all restored
     assert resumed[2].last_epoch == straight[2].last_epoch == 4
+    assert resumed[1].param_groups[0]["lr"] == straight[1].param_groups[0]["lr"]
 
 
 def test_resume_continues_a_decaying_lr_where_it_was(tiny_model, tmp_path):
