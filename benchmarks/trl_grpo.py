@@ -24,7 +24,6 @@ import time
 from pathlib import Path
 
 
-
 def trl_schedule(optim) -> dict:
     """The trainer's lr decay as transformers' scheduler arguments (its warm-up is not
     mapped: the configs benchmarked against TRL have none)."""
@@ -35,6 +34,7 @@ def trl_schedule(optim) -> dict:
     if optim.min_lr_ratio == 0:
         return {"lr_scheduler_type": "linear"}
     raise SystemExit("trl_grpo: a linear decay to a floor above 0 (trainer.optim.min_lr_ratio) has no transformers schedule")
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.trl_grpo")
