@@ -41,7 +41,7 @@ import time
 import tomllib
 from dataclasses import asdict, dataclass
 
-from prime_rl.config import LossConfig, OptimConfig
+from prime_rl.config import ClientConfig, LossConfig, OptimConfig
 
 from benchmarks.batching import SETTINGS as BATCHING_SETTINGS
 from benchmarks.run import (
@@ -67,6 +67,8 @@ VARIANTS: dict[str, tuple[str, ...]] = {
     "lr*2": (),
     "decay=none": ("--trainer.optim.decay", "none"),
     "decay=cosine": ("--trainer.optim.decay", "cosine"),
+    "inflight_kv=keep": ("--orchestrator.client.inflight-kv", "keep"),
+    "inflight_kv=recompute": ("--orchestrator.client.inflight-kv", "recompute"),
 }
 """Each variant's flags over the shipped config."""
 
@@ -88,17 +90,25 @@ class Setting:
             return tomllib.load(f).get("trainer", {})
 
     @property
+    def orchestrator(self) -> dict:
+        """The shipped config's `[orchestrator]` table."""
+        with open(REPO / self.config, "rb") as f:
+            return tomllib.load(f).get("orchestrator", {})
+
+    @property
     def lr(self) -> float:
         """The shipped config's `trainer.optim.lr` (the lr variants halve and double it)."""
         return float(self.trainer["optim"]["lr"])
 
     @property
     def variants(self) -> list[str]:
-        """Every variant but the importance correction and the lr decay the shipped config
-        already uses (each would rerun `shipped`)."""
+        """Every variant but the importance correction, the lr decay and the in-flight KV the
+        shipped config already uses (each would rerun `shipped`)."""
         importance = self.trainer.get("loss", {}).get("importance", LossConfig().importance)
         decay = self.trainer.get("optim", {}).get("decay", OptimConfig().decay)
-        return [v for v in VARIANTS if v not in (f"importance={importance}", f"decay={decay}")]
+        inflight_kv = self.orchestrator.get("client", {}).get("inflight_kv", ClientConfig().inflight_kv)
+        shipped = (f"importance={importance}", f"decay={decay}", f"inflight_kv={inflight_kv}")
+        return [v for v in VARIANTS if v not in shipped]
 
 
 FIGURES = ("reward_first5", "reward_last5", "gain", "startup_s", "s_per_step")

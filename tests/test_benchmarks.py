@@ -268,6 +268,8 @@ def test_each_ablation_variant_changes_one_setting_of_the_shipped_config():
     assert changed("cpu_share_core=false") == {"inference"}
     assert changed("cpu_vllm_first=false") == {"deployment"}
     assert changed("num_threads=1") == {"trainer"}
+    # both ship the default in-flight KV (recompute): each runs the other
+    assert changed("inflight_kv=keep") == {"orchestrator"} and "inflight_kv=recompute" not in setting.variants
     # the quickstart ships sequence_mask, so its own variant would rerun `shipped`; alphabet-sort
     # ships the library default (token_mask)
     assert changed("importance=token_mask") == {"trainer"} and "importance=sequence_mask" not in setting.variants

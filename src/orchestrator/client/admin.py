@@ -127,9 +127,10 @@ class VllmAdmin:
 
         ``version`` is the policy version the folder holds (requests from now on carry it).
         ``keep`` is the in-flight update: requests in flight stay in the engine, frozen by
-        ``/pause?mode=keep``, and continue on the new weights after ``/resume`` (their KV
-        cache, computed with the old ones, is kept); without it they first finish on the old
-        weights (``mode=wait``). New requests wait until the reload is done either way."""
+        ``/pause?mode=keep``, and continue on the new weights after ``/resume``, their KV
+        recomputed on the new weights or kept as the old ones computed it
+        (``ClientConfig.inflight_kv``); without it they first finish on the old weights
+        (``mode=wait``). New requests wait until the reload is done either way."""
         if isinstance(weights, Announcement):
             if self.memory is None:
                 raise InferenceError(f"weights version {weights.version} was announced in memory, but this client has no transfer settings")
@@ -168,14 +169,18 @@ class VllmAdmin:
         frozen and go on with the new ones) and resumes it after; with none, as between the
         orchestrator's steps, it skips both: vLLM's pause alone costs ~25 ms (a fixed 20 ms
         sleep), a third of a reload (docs/machine_facts.md). KV computed with the old
-        weights is never served to a request of the new version: requests salt the prefix
+        weights is never served to a request started on the new version (a frozen one keeps
+        its own with ``inflight_kv = "keep"``): requests salt the prefix
         cache with their version (``cache_salt``), and the cache is reset too when no
         sequence holds blocks (vLLM refuses a reset while frozen sequences hold them)."""
         drain = replica.in_flight > 0
+        keep_kv = mode == "keep" and self.pool.config.inflight_kv == "keep"
         try:
             if drain:
-                await self.pool.post(replica, "/pause", params={"mode": mode})
-                if mode == "keep":
+                # vLLM's pause resets its caches unless told not to, the frozen sequences' KV
+                # included: it then counts them as preempted, and they are prefilled again.
+                await self.pool.post(replica, "/pause", params={"mode": mode, "clear_cache": str(not keep_kv).lower()})
+                if mode == "keep" and not keep_kv:
                     replica.frozen += replica.sequences
             await loader.load(self.pool, replica, source)
             if not (drain and mode == "keep"):

@@ -409,6 +409,13 @@ class ClientConfig(StrictModel):
     startup_timeout_s: float = Field(900.0, gt=0)
     """Longest wait for the inference server to become healthy (vLLM takes 30-75 s on CPU, minutes for large models)."""
 
+    inflight_kv: Literal["recompute", "keep"] = "recompute"
+    """What a sequence in flight when new weights are loaded (`orchestrator.batching =
+    "continuous"`) does with the keys and values vLLM computed for it with the old weights:
+    `recompute` them on the new weights when it resumes (vLLM's pause preempts it; its prompt
+    and tokens so far are prefilled again), or `keep` them (it continues at once; its context
+    stays encoded by the old policy, the importance ratio corrects each token as sampled)."""
+
     verify_reload: bool = False
     """After each reload, score one fixed prompt on every replica and fail the run if their
     logprobs differ (a replica left on old weights); the values are logged as
