@@ -25,8 +25,12 @@ from pathlib import Path
 
 
 def trl_schedule(optim) -> dict:
-    """The trainer's lr decay as transformers' scheduler arguments (its warm-up is not
-    mapped: the configs benchmarked against TRL have none)."""
+    """The trainer's lr decay as transformers' scheduler arguments. A warm-up is refused:
+    transformers' starts at a factor of 0 where the trainer's starts at 1/W, so the two
+    would train on different lrs (the configs benchmarked against TRL have none)."""
+    if optim.warmup_steps:
+        raise SystemExit(f"trl_grpo: trainer.optim.warmup_steps = {optim.warmup_steps} has no matching transformers "
+                         "schedule (its warm-up starts at 0, the trainer's at 1/W); compare a config without warm-up")
     if optim.decay == "none":
         return {"lr_scheduler_type": "constant"}
     if optim.decay == "cosine":

@@ -463,3 +463,18 @@ def test_the_warmup_seeds_give_the_start_range_and_the_median_gain(tmp_path):
     judged = {name: (value, holds) for name, value, holds in bench.targets(tmp_path)}
     assert judged["quickstart from scratch: start reward (first 5 steps) varies by <= 0.03 across seeds"] == (pytest.approx(0.04), False)
     assert judged["quickstart from scratch: median reward gain, first 5 -> last 5 steps >= +0.20"] == (pytest.approx(0.31), True)
+
+
+def test_trl_schedule_maps_the_trainers_decay_and_refuses_what_transformers_cannot_match():
+    from prime_rl.config import OptimConfig
+
+    from benchmarks.trl_grpo import trl_schedule
+
+    assert trl_schedule(OptimConfig(decay="none")) == {"lr_scheduler_type": "constant"}
+    assert trl_schedule(OptimConfig(decay="cosine", min_lr_ratio=0.1)) == {
+        "lr_scheduler_type": "cosine_with_min_lr", "lr_scheduler_kwargs": {"min_lr_rate": 0.1}}
+    assert trl_schedule(OptimConfig(decay="linear")) == {"lr_scheduler_type": "linear"}
+    with pytest.raises(SystemExit, match="warmup_steps = 5 has no matching transformers schedule"):
+        trl_schedule(OptimConfig(decay="cosine", warmup_steps=5))
+    with pytest.raises(SystemExit, match="linear decay to a floor above 0"):
+        trl_schedule(OptimConfig(decay="linear", min_lr_ratio=0.1))
