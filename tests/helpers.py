@@ -596,8 +596,13 @@ def move_engine_onto_workers_cores(tag: str) -> None:
 
     from prime_rl.cores import move_threads
 
-    workers = [psutil.Process(pid) for pid, _ in tagged_processes(tag)]
-    workers = [proc for proc in workers if proc.name().startswith("VLLM::Worker")]
+    def titled_worker(pid: int) -> bool:
+        try:
+            return psutil.Process(pid).name().startswith("VLLM::Worker")
+        except psutil.Error:  # exited since the listing
+            return False
+
+    workers = [psutil.Process(pid) for pid, _ in tagged_processes(tag) if titled_worker(pid)]
     assert len(workers) == 1, f"expected one process titled VLLM::Worker in the server's tree, found {len(workers)}"
     (worker,) = workers
     cores = os.sched_getaffinity(worker.pid)
