@@ -545,69 +545,21 @@ def remove_cgroup(cgroup: Path) -> None:
 
 
 @contextmanager
-def standalone_server(root: Path, name: str, *, engine_on_workers_cores: bool = False, **settings):
+def standalone_server(root: Path, name: str, **settings):
     """A vLLM server (``inference.server``, as the launcher starts one) with ``settings`` (the
     inference config's keys; a free port is added), started by a test outside any launcher,
-    its log in ``root/NAME.log``: yields its URL. Stopped after, with no process of it left.
-
-    ``engine_on_workers_cores``: yields once the server answers, its engine core moved onto
-    its worker's cores, where `inference.cpu_share_core` puts a forked server's. A spawned
-    one's (`cpu_fork = false`) spins on the other core of these two, and with the worker's
-    spin it starves every other process for seconds at a time (docs/vllm_probe.md, "The
-    engine and the worker spin-wait")."""
+    its log in ``root/NAME.log``: yields its URL. Stopped after, with no process of it left."""
     port, tag = free_port(), new_tag()
     config = root / f"{name}.json"
     config.write_text(json.dumps({**settings, "port": port}))
-    url = f"http://127.0.0.1:{port}"
     with server_tmp_env(PRIME_RL_TEST_TAG=tag) as env, (root / f"{name}.log").open("w") as log:
         proc = subprocess.Popen([sys.executable, "-m", "inference.server", "--config", str(config)], stdout=log,
                                 stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:
-            if engine_on_workers_cores:
-                wait_answering(url, proc, root / f"{name}.log")
-                move_engine_onto_workers_cores(tag)
-            yield url
+            yield f"http://127.0.0.1:{port}"
         finally:
             stop_process_group(proc)
         assert tagged_processes(tag) == [], f"the {name} server's engine process must stop with it"
-
-
-def wait_answering(url: str, proc: subprocess.Popen, log: Path, timeout_s: float = 300) -> None:
-    """Until the server at ``url`` answers ``/health`` with 200; raises with its log's tail
-    when its process exits first or ``timeout_s`` passes."""
-    import httpx
-
-    deadline = time.monotonic() + timeout_s
-    while proc.poll() is None and time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(1)
-    raise AssertionError(f"the server at {url} did not answer /health (exit code {proc.poll()}):\n{tail(log, 20)}")
-
-
-def move_engine_onto_workers_cores(tag: str) -> None:
-    """Every thread of the engine core of the vLLM server tagged ``tag`` onto the cores its
-    worker is bound to (the worker: the process titled ``VLLM::Worker``, the engine core its
-    parent)."""
-    import psutil
-
-    from prime_rl.cores import move_threads
-
-    def titled_worker(pid: int) -> bool:
-        try:
-            return psutil.Process(pid).name().startswith("VLLM::Worker")
-        except psutil.Error:  # exited since the listing
-            return False
-
-    workers = [psutil.Process(pid) for pid, _ in tagged_processes(tag) if titled_worker(pid)]
-    assert len(workers) == 1, f"expected one process titled VLLM::Worker in the server's tree, found {len(workers)}"
-    (worker,) = workers
-    cores = os.sched_getaffinity(worker.pid)
-    for _ in range(2):  # once more for threads a thread started while the first pass ran
-        move_threads(worker.parent(), cores)
 
 
 def served_prompt_logprobs(model: Path, root: Path, sequences: list[list[int]]) -> list:

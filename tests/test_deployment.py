@@ -170,14 +170,14 @@ def test_an_eager_cpu_server_runs_torch_compile_off_unless_the_user_says_otherwi
     assert "TORCH_COMPILE_DISABLE=1" in shlex.split(shell_line(eager, cpu=True))
 
 
-def test_a_forked_cpu_server_shares_its_workers_core_unless_told_not_to():
-    """The forked server is told to run its engine core on the worker's core where that is
-    one (inference.vllm_cpu reads the variable); not with `cpu_share_core = false`, not when
-    vLLM's own module starts (nothing there reads it), not on GPUs."""
+def test_a_cpu_server_shares_its_workers_core_unless_told_not_to():
+    """A CPU server is told to run its engine core on the worker's core where that is one
+    (a forked worker reads the variable in inference.vllm_cpu, a spawned one in its vLLM
+    plugin); not with `cpu_share_core = false`, not on GPUs."""
     share = "PRIME_RL_VLLM_SHARE_WORKER_CORE"
     assert vllm_env(config().inference, cpu=True)[share] == "1"
+    assert vllm_env(config(inference={"cpu_fork": False}).inference, cpu=True)[share] == "1"
     assert share not in vllm_env(config(inference={"cpu_share_core": False}).inference, cpu=True)
-    assert share not in vllm_env(config(inference={"cpu_fork": False}).inference, cpu=True)
     assert share not in vllm_env(config().inference, cpu=False)
 
 

@@ -1,9 +1,7 @@
 """In-flight weight updates on the real vLLM engine: a reload that lands mid-completion, and
 the prefix cache across policy versions (one vLLM server for the module). That server is
 vLLM's module started as it is (`inference.cpu_fork = false`, its engine processes spawned):
-the one real server of the suite that keeps the way out of the fork every other one takes.
-Once it answers, its engine core is moved onto its worker's core, where a forked server's
-runs (`inference.cpu_share_core`)."""
+the one real server of the suite that keeps the way out of the fork every other one takes."""
 
 import asyncio
 import json
@@ -47,10 +45,28 @@ def server(tiny_model, tmp_path_factory):
             await client.close()
 
     root = tmp_path_factory.mktemp("vllm")
-    with standalone_server(root, "inference", model=str(tiny_model), seq_len=SEQ_LEN, max_num_seqs=8, cpu_fork=False,
-                           engine_on_workers_cores=True) as url:
+    with standalone_server(root, "inference", model=str(tiny_model), seq_len=SEQ_LEN, max_num_seqs=8, cpu_fork=False) as url:
         asyncio.run(healthy(url))
         yield url
+
+
+def test_a_spawned_worker_bound_to_one_core_has_the_engine_core_join_it(server):
+    """`inference.cpu_share_core` in vLLM's spawned processes (its plugin in the worker):
+    every thread of the engine core on the worker's one core. Left on the other core, it
+    starved this test's own process of a core for seconds (docs/vllm_probe.md, "The engine
+    and the worker spin-wait"). Where vLLM bound the worker to several cores, nothing moves."""
+    import os
+
+    import psutil
+
+    port = int(server.rsplit(":", 1)[1])
+    (api,) = [c.pid for c in psutil.net_connections("tcp") if c.status == "LISTEN" and c.laddr.port == port]
+    (worker,) = [p for p in psutil.Process(api).children(recursive=True) if p.name().startswith("VLLM::Worker")]
+    engine = worker.parent()
+    assert engine.name() == "VLLM::EngineCore", engine
+    cores = os.sched_getaffinity(worker.pid)
+    expected = cores if len(cores) == 1 else os.sched_getaffinity(api)  # else: as it inherited them
+    assert {t.id: os.sched_getaffinity(t.id) for t in engine.threads()} == {t.id: expected for t in engine.threads()}
 
 
 def stream_body(model, max_tokens, salt, prompt=PROMPT):
@@ -145,8 +161,8 @@ def test_a_reload_mid_completion_trains_each_token_on_the_logprob_it_was_sampled
     # stream (CI runs saw all 1500 tokens, and all but 2, carry the old policy's logprobs).
     # Most of those were the server's own doing: with its engine core spinning on the core
     # the worker left free, this process waited 2-6.5 s at a time for a core (its
-    # schedstat), and all three attempts of one CI run lost; the server's engine core now
-    # shares the worker's core (the fixture). Only then, with the reload proven to have
+    # schedstat), and all three attempts of one CI run lost; the engine core now shares the
+    # worker's core (the test above). Only then, with the reload proven to have
     # loaded the other weights, is the attempt repeated: the checks below need 100 tokens
     # sampled after it.
     for _ in range(3):

@@ -114,6 +114,23 @@ def share_worker_core(cores: set[int]) -> None:
         move_threads(engine, cores)
 
 
+def share_core_when_spawned() -> None:
+    """vLLM's general-plugin hook (every vLLM process calls it at its start; registered in
+    pyproject.toml): in a worker vLLM spawned (`inference.cpu_fork = false`), the engine core
+    joins it where vLLM bound it to one core, as a forked worker has it join
+    (``bind_threads_as_spawned``; `inference.cpu_share_core`). Left where vLLM puts it, the
+    spawned engine core spun on the other core of two, and while the server served few
+    sequences every other process waited up to 13 s at a time for a core
+    (docs/vllm_probe.md, "The engine and the worker spin-wait"). A no-op in any other
+    process: in the API server and the engine core the parent is not the engine core, and a
+    forked worker did this already."""
+    if os.environ.get(SHARE_WORKER_CORE) != "1" or os.environ.get("VLLM_WORKER_MULTIPROC_METHOD") != "spawn":
+        return
+    _, cores = omp_binding(dict(os.environ))
+    if cores is not None and len(cores) == 1:
+        share_worker_core(cores)
+
+
 def bind_forked_workers() -> None:
     """vLLM's CPU worker binds its threads (``bind_threads_as_spawned``) before it sets up its
     device, where vLLM stops torch.set_num_threads from working."""

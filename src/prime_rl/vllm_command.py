@@ -36,8 +36,9 @@ COMPILE_DISABLE = "TORCH_COMPILE_DISABLE"
 """torch's switch that makes torch.compile a no-op (``vllm_env`` sets it for eager CPU servers)."""
 
 SHARE_WORKER_CORE = "PRIME_RL_VLLM_SHARE_WORKER_CORE"
-"""Set to `1` (``vllm_env``, `inference.cpu_share_core`): ``CPU_FORK_SERVER`` runs the engine
-core on the worker's core where vLLM bound the worker to one."""
+"""Set to `1` (``vllm_env``, `inference.cpu_share_core`): the worker, forked (``CPU_FORK_SERVER``)
+or spawned (``inference.vllm_cpu.share_core_when_spawned``, a vLLM plugin), runs the engine
+core on its core where vLLM bound it to one."""
 
 AUTH_MIDDLEWARE = "inference.auth.RequireApiKey"
 """vLLM `--middleware` that requires the key on every route (vLLM's `--api-key` guards /v1 only)."""
@@ -144,7 +145,7 @@ def vllm_env(cfg: InferenceConfig, cpu: bool, inherited: Mapping[str, str] | Non
             env.setdefault(COMPILE_DISABLE, "1")
         if cfg.cpu_threads_bind is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = cfg.cpu_threads_bind
-        if cfg.cpu_fork and cfg.cpu_share_core:
+        if cfg.cpu_share_core:
             env[SHARE_WORKER_CORE] = "1"
     return env
 

@@ -64,13 +64,11 @@ class InferenceConfig(StrictModel):
     """On CPU, fork vLLM's engine and worker processes from its API server instead of
     spawning them (`python -m inference.vllm_cpu`): they skip importing torch and vLLM again,
     so a server is healthy after ~10 s instead of ~24 s here, serving the same tokens and
-    logprobs (docs/vllm_probe.md, "Fork"). False starts vLLM's module as it is; on 2 cores its
-    engine core then spins on the core its worker leaves free, and while it serves few
-    sequences other processes waited up to 13 s for a core (docs/vllm_probe.md, "The engine
-    and the worker spin-wait")."""
+    logprobs (docs/vllm_probe.md, "Fork"). False starts vLLM's module as it is (its engine
+    core still joins the worker's core: `cpu_share_core`)."""
 
     cpu_share_core: bool = True
-    """With `cpu_fork`, where vLLM binds its worker to one core (here, 2 cores: it keeps the
+    """Where vLLM binds its worker to one core (here, 2 cores: it keeps the
     other for its API server and engine core, which the trainer needs too), run the engine core
     on the worker's core as well: the two spin-wait for each other, and on one core the spin
     yields instead of taking the trainer's core (docs/vllm_probe.md, "The engine and the
