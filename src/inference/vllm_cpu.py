@@ -30,7 +30,7 @@ import os
 import runpy
 import sys
 
-from prime_rl.vllm_command import SHARE_WORKER_CORE
+from prime_rl.cores import SHARE_WORKER_CORE
 
 VLLM_SERVER = "vllm.entrypoints.openai.api_server"
 

@@ -19,6 +19,13 @@ import psutil
 RUN_CORES_ENV = "PRIME_RL_RUN_CORES"
 """The run's cores (`0,1`), set by the launcher on a process it starts on fewer of them."""
 
+SHARE_WORKER_CORE = "PRIME_RL_VLLM_SHARE_WORKER_CORE"
+"""Set to `1` on a CPU vLLM server (``prime_rl.vllm_command.vllm_env``, `inference.cpu_share_core`):
+its worker, forked (``inference.vllm_cpu``) or spawned (``inference.vllm_cpu.share_core_when_spawned``,
+a vLLM plugin), runs the engine core on its core where vLLM bound it to one. Here, not in
+``prime_rl.vllm_command``, because every vLLM process imports the plugin's module: this one
+imports psutil alone."""
+
 
 def format_cores(cores: set[int] | frozenset[int]) -> str:
     return ",".join(str(c) for c in sorted(cores))

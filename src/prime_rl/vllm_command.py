@@ -23,6 +23,7 @@ import sys
 from collections.abc import Mapping
 
 from prime_rl.config import InferenceConfig
+from prime_rl.cores import SHARE_WORKER_CORE
 from prime_rl.keys import API_KEY_ENV, redact
 from prime_rl.transfer import ENGINES, group_backend
 
@@ -34,11 +35,6 @@ PRECOMPILE_HEADERS = "TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS"
 
 COMPILE_DISABLE = "TORCH_COMPILE_DISABLE"
 """torch's switch that makes torch.compile a no-op (``vllm_env`` sets it for eager CPU servers)."""
-
-SHARE_WORKER_CORE = "PRIME_RL_VLLM_SHARE_WORKER_CORE"
-"""Set to `1` (``vllm_env``, `inference.cpu_share_core`): the worker, forked (``CPU_FORK_SERVER``)
-or spawned (``inference.vllm_cpu.share_core_when_spawned``, a vLLM plugin), runs the engine
-core on its core where vLLM bound it to one."""
 
 AUTH_MIDDLEWARE = "inference.auth.RequireApiKey"
 """vLLM `--middleware` that requires the key on every route (vLLM's `--api-key` guards /v1 only)."""
