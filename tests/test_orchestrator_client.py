@@ -282,6 +282,26 @@ def test_an_in_flight_reload_keeps_the_request_and_labels_it_with_both_versions(
     assert paths.index("/resume") < len(paths) - 1 - paths[::-1].index("/v1/completions")  # the second came after
 
 
+def test_an_in_flight_reload_that_keeps_the_kv_tells_vllm_not_to_clear_it(tmp_path):
+    """`inflight_kv = "keep"`: the pause asks vLLM to keep its caches (the frozen request's KV
+    with them), so vLLM preempts nothing and the client counts nothing to take out of its
+    preemption count; the request still comes back labelled (old, new)."""
+    entered, release, held = held_first_request()
+
+    async def go(client):
+        first = asyncio.ensure_future(complete(client, max_tokens=4))
+        await asyncio.to_thread(entered.wait, 10)
+        await client.reload_weights(tmp_path, 1, keep=True)
+        frozen = client.frozen_by_reloads()
+        release.set()
+        return await first, frozen
+
+    with FakeInferenceServer(responder=held) as server:
+        first, frozen = run_with_client(server, go, inflight_kv="keep")
+    assert server.admin_calls() == ["/pause?mode=keep&clear_cache=false", "/collective_rpc", "/resume"]
+    assert frozen == 0 and first.versions == (0, 1)
+
+
 def test_a_reload_cancelled_after_its_pause_still_resumes_the_server(tmp_path):
     """A run stopped mid-reload (its weight follower cancelled) must not leave the engine
     paused: a warm server outlives the run, and the next run's requests would wait forever."""

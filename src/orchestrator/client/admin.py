@@ -179,7 +179,8 @@ class VllmAdmin:
             if drain:
                 # vLLM's pause resets its caches unless told not to, the frozen sequences' KV
                 # included: it then counts them as preempted, and they are prefilled again.
-                await self.pool.post(replica, "/pause", params={"mode": mode, "clear_cache": str(not keep_kv).lower()})
+                params = {"mode": mode, **({"clear_cache": "false"} if keep_kv else {})}
+                await self.pool.post(replica, "/pause", params=params)
                 if mode == "keep" and not keep_kv:
                     replica.frozen += replica.sequences
             await loader.load(self.pool, replica, source)
