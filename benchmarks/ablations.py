@@ -10,8 +10,10 @@ their group's standard deviation, the importance correction (each of `token_mask
 `sequence_mask`, `truncated` and `none` but the shipped one), the learning rate (half,
 1.5x and double), the lr's decay (`none` or `cosine`, whichever is not shipped), where vLLM's
 engine core runs on CPU (`inference.cpu_share_core`), whether the trainer and the
-orchestrator leave vLLM a core while it starts (`deployment.cpu_vllm_first`), and the
-trainer's threads (`trainer.num_threads` 1 against 2). Repeat i of
+orchestrator leave vLLM a core while it starts (`deployment.cpu_vllm_first`), the
+trainer's threads (`trainer.num_threads` 1 against 2), and what sequences frozen by an
+in-flight reload do with their KV (`orchestrator.client.inflight_kv`, whichever is not
+shipped). Repeat i of
 every variant runs with seed i (data order, the trainer's and vLLM's sampling), the
 variants alternating within each repeat so drift in the machine's speed hits all alike; all
 start from the same SFT'd model (``benchmarks.run.prepare_model``). Settings:
@@ -83,30 +85,24 @@ class Setting:
     flags: tuple[str, ...] = ()
     """Flags every variant of the setting runs with."""
 
-    @property
-    def trainer(self) -> dict:
-        """The shipped config's `[trainer]` table."""
+    def shipped(self, section: str) -> dict:
+        """A table of the shipped config (`trainer`, `orchestrator`), as written."""
         with open(REPO / self.config, "rb") as f:
-            return tomllib.load(f).get("trainer", {})
-
-    @property
-    def orchestrator(self) -> dict:
-        """The shipped config's `[orchestrator]` table."""
-        with open(REPO / self.config, "rb") as f:
-            return tomllib.load(f).get("orchestrator", {})
+            return tomllib.load(f).get(section, {})
 
     @property
     def lr(self) -> float:
         """The shipped config's `trainer.optim.lr` (the lr variants halve and double it)."""
-        return float(self.trainer["optim"]["lr"])
+        return float(self.shipped("trainer")["optim"]["lr"])
 
     @property
     def variants(self) -> list[str]:
         """Every variant but the importance correction, the lr decay and the in-flight KV the
         shipped config already uses (each would rerun `shipped`)."""
-        importance = self.trainer.get("loss", {}).get("importance", LossConfig().importance)
-        decay = self.trainer.get("optim", {}).get("decay", OptimConfig().decay)
-        inflight_kv = self.orchestrator.get("client", {}).get("inflight_kv", ClientConfig().inflight_kv)
+        trainer, orchestrator = self.shipped("trainer"), self.shipped("orchestrator")
+        importance = trainer.get("loss", {}).get("importance", LossConfig().importance)
+        decay = trainer.get("optim", {}).get("decay", OptimConfig().decay)
+        inflight_kv = orchestrator.get("client", {}).get("inflight_kv", ClientConfig().inflight_kv)
         shipped = (f"importance={importance}", f"decay={decay}", f"inflight_kv={inflight_kv}")
         return [v for v in VARIANTS if v not in shipped]
 
