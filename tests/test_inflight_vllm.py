@@ -160,7 +160,7 @@ def test_a_reload_mid_completion_trains_each_token_on_the_logprob_it_was_sampled
     # or most of the completion before the pause reached it, the client still reading the
     # stream (CI runs saw all 1500 tokens, and all but 2, carry the old policy's logprobs).
     # Most of those were the server's own doing: with its engine core spinning on the core
-    # the worker left free, this process waited 2-6.5 s at a time for a core (its
+    # the worker left free, this process waited 2.0-6.6 s at a time for a core (its
     # schedstat), and all three attempts of one CI run lost; the engine core now shares the
     # worker's core (the test above). Only then, with the reload proven to have
     # loaded the other weights, is the attempt repeated: the checks below need 100 tokens
