@@ -85,8 +85,7 @@ def bind_threads_as_spawned() -> None:
     threads, cores = omp_binding(dict(os.environ))
     if cores is not None:
         os.sched_setaffinity(0, cores)
-        if len(cores) == 1 and os.environ.get(SHARE_WORKER_CORE) == "1":
-            share_worker_core(cores)
+        share_one_core(cores)
     if threads is not None:
         torch.set_num_threads(threads)
 
@@ -124,10 +123,17 @@ def share_core_when_spawned() -> None:
     (docs/vllm_probe.md, "The engine and the worker spin-wait"). A no-op in any other
     process: in the API server and the engine core the parent is not the engine core, and a
     forked worker did this already."""
-    if os.environ.get(SHARE_WORKER_CORE) != "1" or os.environ.get("VLLM_WORKER_MULTIPROC_METHOD") != "spawn":
+    if os.environ.get("VLLM_WORKER_MULTIPROC_METHOD") != "spawn":
         return
     _, cores = omp_binding(dict(os.environ))
-    if cores is not None and len(cores) == 1:
+    if cores is not None:
+        share_one_core(cores)
+
+
+def share_one_core(cores: set[int]) -> None:
+    """``share_worker_core`` where the worker is bound to one core and the server was told to
+    (``SHARE_WORKER_CORE``, `inference.cpu_share_core`)."""
+    if len(cores) == 1 and os.environ.get(SHARE_WORKER_CORE) == "1":
         share_worker_core(cores)
 
 
