@@ -35,6 +35,7 @@ CASES = [
     ("async_level = -1\n", [], "async_level: Input should be greater than or equal to 0"),
     ("batch_size = 10\nrollouts_per_example = 4\n", [], "batch_size (10) must be divisible by rollouts_per_example (4)"),
     ("[sampling]\ntemperature = 0\n", [], "sampling.temperature: Input should be greater than 0"),
+    ("[orchestrator]\nmax_off_policy_steps = 0\n", [], "max_off_policy_steps (0) must be at least async_level (1)"),
     ("[orchestrator.traces]\ngroups = -1\n", [], "orchestrator.traces.groups"),
     ("[orchestrator.traces]\ngroups = 'some'\n", [], "orchestrator.traces.groups"),
     ("[dashboard]\nport = 0\n", [], "dashboard.port: Input should be greater than or equal to 1"),

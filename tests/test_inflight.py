@@ -55,13 +55,13 @@ class Version:
 
 
 def make_pool(env, version, *, k=2, async_level=1, max_inflight=8, pending=(), logs=None, max_steps=None, one_step=False,
-              timeout_s=None):
+              timeout_s=None, max_off_policy=None):
     order = ExampleOrder([len(env.dataset)], seed=0)
     pool = GroupPool(
         [("env", env)], order, sampler=None, rollouts_per_example=N, groups_per_step=k, async_level=async_level,
         max_inflight=max_inflight, version=version, pending=list(pending),
         log=(logs.append if logs is not None else lambda _: None), max_steps=max_steps, one_step=one_step,
-        timeouts=[timeout_s],
+        timeouts=[timeout_s], max_off_policy=max_off_policy,
     )
     return pool, ExampleOrder([len(env.dataset)], seed=0)
 
@@ -178,6 +178,60 @@ def test_a_step_waits_for_the_groups_that_expire_with_it_rather_than_let_them_go
         pool.notify()
         cut = await pool.cut(2, stall, 5)
         assert examples(cut.groups) == [picks[2][1]] and cut.stale == 0
+        await pool.close()
+
+    asyncio.run(go())
+
+
+def test_above_async_level_more_groups_start_than_a_step_needs_and_a_straggler_lands_later():
+    """max_off_policy 2 over async_level 1, one group a step, three slots: at version 0 all
+    three slots start (the step being cut may train each), step 0 takes the first to
+    complete, step 1 does not wait for the version-0 straggler, which trains in step 2,
+    two versions behind."""
+    async def go():
+        env, version = GatedEnv(), Version()
+        pool, reference = make_pool(env, version, k=1, async_level=1, max_inflight=3, max_off_policy=2)
+        picks = reference.next(5)
+        cutting = asyncio.create_task(pool.cut(0, stall, 5))
+        await settle()
+        assert env.started == [i for _, i in picks[:3]]  # with max_off_policy 1: two (steps 0 and 1)
+        env.gate(picks[1][1]).set()
+        assert examples((await cutting).groups) == [picks[1][1]]
+        await settle()
+        assert env.started == [i for _, i in picks[:4]]  # the freed slot: step 1 may train version 0
+        version.value = 1
+        pool.notify()
+        cutting = asyncio.create_task(pool.cut(1, stall, 5))
+        await settle()
+        env.gate(picks[2][1]).set()
+        cut = await cutting  # without waiting for picks[0]
+        assert examples(cut.groups) == [picks[2][1]] and picks[0] in pool.pending()
+        env.gate(picks[0][1]).set()
+        version.value = 2
+        pool.notify()
+        cut = await pool.cut(2, stall, 5)
+        assert examples(cut.groups) == [picks[0][1]] and cut.groups[0].version == 0 and cut.stale == 0
+        await pool.close()
+
+    asyncio.run(go())
+
+
+def test_a_straggler_past_max_off_policy_is_dropped_not_trained():
+    async def go():
+        env, version, logs = GatedEnv(), Version(), []
+        pool, reference = make_pool(env, version, k=1, async_level=1, max_inflight=1, max_off_policy=2, logs=logs)
+        old = reference.next(1)[0]
+        pool.fill(0)  # one slot: the version-0 group alone
+        await settle()
+        version.value = 4
+        pool.notify()
+        env.gate(old[1]).set()
+        cutting = asyncio.create_task(pool.cut(3, stall, 5))  # version 0 < 3 - 2
+        await settle()
+        env.gate(next(i for i in env.started if i != old[1])).set()
+        cut = await cutting
+        assert cut.stale == 1 and old[1] not in examples(cut.groups)
+        assert any("max_off_policy_steps 2 allows >= 1" in line for line in logs), logs
         await pool.close()
 
     asyncio.run(go())

@@ -15,7 +15,7 @@ from prime_rl.wire import decode_batch, encode_batch, sample_arrays
 from orchestrator.batch import ScoredRollout, pack_batches
 from orchestrator.data import ExampleOrder
 from fake_inference import FakeInferenceServer
-from orchestrator.main import WEIGHTS_POLL_S, main, resume, sync_policy
+from orchestrator.main import WEIGHTS_POLL_S, check_async_bound, main, resume, start_generation, stop_generation, sync_policy
 from orchestrator.progress import Cursor, StepRecord, save_record
 from orchestrator.traces import TraceWriter
 from prime_rl.traces import read_traces, rollout_traces_path
@@ -83,6 +83,36 @@ def test_too_old_policy_waits_for_the_required_step(tmp_path):
 def test_weights_wait_times_out_naming_the_step(tmp_path):
     with pytest.raises(TimeoutError, match=r"weights/step_1 \(with its STABLE marker\)"):
         sync(step=2, loaded=0, run_dir=tmp_path, timeout=0.2)
+
+
+def test_max_off_policy_steps_reaches_the_pool_and_the_check_before_sending(tmp_path):
+    """`max_off_policy_steps` sets the pool's bound, and the check every batch passes before
+    it is sent holds samples to it (to `async_level` without it, or with the step barrier)."""
+    cfg = OrchestratorConfig(output_dir=tmp_path, batch_size=8, rollouts_per_example=2, async_level=1,
+                             max_off_policy_steps=2)
+
+    async def pool_of(cfg):
+        client = type("Client", (), {"version": 0})()
+        generation = start_generation(cfg, [], ExampleOrder([1], seed=0), None, client, [])
+        await stop_generation(generation)
+        return generation.pool
+
+    pool = asyncio.run(pool_of(cfg))
+    assert (pool.max_off_policy, pool.async_level, pool.k) == (2, 1, 4)
+    assert asyncio.run(pool_of(OrchestratorConfig(output_dir=tmp_path))).max_off_policy == 1  # async_level's default
+
+    def items(version):
+        return [ScoredRollout(single(0), 0.0, version, "env", version)]
+
+    check_async_bound(items(3), 5, cfg)  # 2 behind: allowed
+    with pytest.raises(RuntimeError, match="version 2 breaks max_off_policy_steps 2"):
+        check_async_bound(items(2), 5, cfg)
+    with pytest.raises(RuntimeError, match="version 3 breaks async_level 1"):
+        check_async_bound(items(3), 5, OrchestratorConfig(output_dir=tmp_path))
+    barrier = cfg.model_copy(update={"batching": "step"})  # trains each group in its own step
+    assert asyncio.run(pool_of(barrier)).max_off_policy == 1
+    with pytest.raises(RuntimeError, match="version 3 breaks async_level 1"):
+        check_async_bound(items(3), 5, barrier)
 
 
 def test_config_errors_exit_2(tmp_path, capsys):

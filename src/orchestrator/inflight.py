@@ -11,11 +11,11 @@ trainer trains and while new weights are loaded (``InferenceClient.reload_weight
 Versions. A group carries the policy version served when it started (``version``, the
 oldest of its tokens) and the newest among its tokens (``last_version``, above it when a
 reload landed while it was sampled). Step n trains on a group only if
-``version >= n - async_level``; an older group is dropped, counted and logged, never
-trained on. A step takes the groups that expire with it first (they could train no later
-step), and waits for those still in flight rather than fill its slots with newer groups
-that completed sooner, so a group goes stale only when more expire together than a step
-holds.
+``version >= n - max_off_policy`` (``async_level`` unless set higher); an older group is
+dropped, counted and logged, never trained on. A step takes the groups that expire with it
+first (they could train no later step), and waits for those still in flight rather than fill
+its slots with newer groups that completed sooner, so a group goes stale only when more
+expire together than a step holds.
 
 Admission, the async bound ahead of time: the j-th group not yet in a batch (counting the
 step's groups already cut, the completed ones and those in flight) will go to step
@@ -23,6 +23,14 @@ step's groups already cut, the completed ones and those in flight) will go to st
 train that step: ``version >= next_step + j // groups_per_step - async_level``, and only
 when that step exists (< ``max_steps``). The orchestrator therefore never samples further
 ahead than ``async_level``, nor past the run's last step.
+
+Above ``async_level`` (``max_off_policy``, as the reference trainer's
+``max_off_policy_steps``): a group may start in any free slot (``max_inflight``, counting
+every group not yet sent: the step's taken ones, completed ones, those in flight) while the
+step being cut may train it, ``version >= next_step - async_level``. So more groups start
+than a step needs; the step takes the first to complete, and its stragglers land in later
+steps, trained at most ``max_off_policy`` versions after they started (older ones are
+dropped as above). The trainer then waits for a step's fastest groups, not its slowest.
 
 One step in flight (``one_step``, `batching = "step"`): the step barrier is this pool with
 groups started only for the step being cut, so nothing samples between cuts and the
@@ -158,11 +166,16 @@ class GroupPool:
         one_step: bool = False,
         limiter: EpisodeLimiter | None = None,
         timeouts: list[float | None] | None = None,
+        max_off_policy: int | None = None,
     ):
         self.envs, self.order, self.sampler = envs, order, sampler
         self.n, self.k, self.async_level, self.max_inflight = rollouts_per_example, groups_per_step, async_level, max_inflight
         self.version = version
         """The policy version the inference server serves now."""
+        self.max_off_policy = async_level if max_off_policy is None else max_off_policy
+        """Step n trains a group only if its ``version >= n - max_off_policy`` (at least
+        ``async_level``): above ``async_level``, a step takes the groups that completed first
+        and its stragglers land in a later one, within this bound."""
         self.max_steps = max_steps
         """No group starts that would land in a step at or past this one (the run's end)."""
         self.one_step = one_step
@@ -205,7 +218,7 @@ class GroupPool:
         bound = step - self.async_level
         while True:
             self._raise_failure()
-            stale += self._drop_stale(step, bound)
+            stale += self._drop_stale(step, step - self.max_off_policy)
             while len(taken) < self.k and (group := self._next_done(step, len(taken))) is not None:
                 self._done.remove(group)
                 judged.append(group)
@@ -268,8 +281,9 @@ class GroupPool:
         stale = [group for group in self._done if group.version < bound]
         for group in stale:
             self._done.remove(group)
-            self.log(f"step {step}: dropped a group of policy version {group.version} (async_level "
-                     f"{self.async_level} allows >= {bound}); it is not trained on")
+            knob = "async_level" if self.max_off_policy == self.async_level else "max_off_policy_steps"
+            self.log(f"step {step}: dropped a group of policy version {group.version} ({knob} "
+                     f"{self.max_off_policy} allows >= {bound}); it is not trained on")
         return len(stale)
 
     def _next_done(self, step: int, taken: int) -> Group | None:
@@ -283,7 +297,7 @@ class GroupPool:
             return first if first is not None and first.seq < min(self._in_flight, default=self._seq) else None
 
         def expires(group: Group) -> bool:
-            return group.version < step + 1 - self.async_level
+            return group.version < step + 1 - self.max_off_policy
 
         for group in self._done:
             if expires(group):
@@ -294,13 +308,29 @@ class GroupPool:
         return None
 
     def _admit(self, next_step: int, taken: int) -> None:
-        """Start groups while a slot is free and the version served now may train the step
-        each new group would land in."""
+        """Start groups while ``_may_start`` allows (``next_step``: the step being cut)."""
         j = taken + len(self._done) + len(self._in_flight)
-        while (len(self._in_flight) < self.max_inflight and self.version() >= next_step + j // self.k - self.async_level
-               and (self._horizon is None or next_step + j // self.k < self._horizon)):
+        while self._may_start(next_step, j):
             self._start(self._restart.popleft() if self._restart else self.order.next(1)[0])
             j += 1
+
+    def _may_start(self, next_step: int, j: int) -> bool:
+        """Whether the ``j``-th group not yet in a batch may start: a slot is free and the
+        version served now may train the step it would land in (in start order; no step past
+        the horizon). With ``max_off_policy`` above ``async_level``, any free slot (counting
+        the groups not yet sent: taken, completed, in flight) while the step being cut may train it: more
+        groups start than a step needs, the step takes the first to complete and the rest
+        land in later steps."""
+        lands = next_step + j // self.k
+        if self._horizon is not None and lands >= self._horizon:
+            return False
+        if self.max_off_policy > self.async_level:
+            free = j < self.max_inflight  # the step's groups taken and those done count: none piles up to go stale
+            admitted = self.version() >= next_step - self.async_level
+        else:
+            free = len(self._in_flight) < self.max_inflight
+            admitted = self.version() >= lands - self.async_level
+        return free and admitted
 
     def _start(self, pick: tuple[int, int]) -> None:
         group = Group(self._seq, pick, self.version())

@@ -7,7 +7,7 @@ Per step n (0..max_steps-1), top to bottom:
       on either of two schedules (`batching`):
       continuous (the default): groups stay in flight across step boundaries, up to
         `max_inflight_groups`; the step's batch is cut from the groups that completed first;
-        a group older than n - async_level is dropped (counted in
+        a group older than n - async_level (or `max_off_policy_steps`) is dropped (counted in
         `batch/stale_groups_dropped`, never trained on). Meanwhile the weight follower loads
         each new complete `weights/step_K/` as soon as it appears, while requests are in
         flight (vLLM's `/pause?mode=keep`: they continue on the new weights, so one
@@ -38,8 +38,8 @@ Versions count optimizer steps: 0 is the initial model and `weights/step_K` hold
 weights after K steps (the trainer writes it after training on batch K-1), so the trainer
 trains step n with version n and a sample's staleness n - version is its true off-policy
 gap. Every sample records the oldest and newest version its tokens were sampled with, and
-every sample of step n has oldest version >= n - async_level (checked before sending);
-async_level 0 is fully on-policy.
+every sample of step n has oldest version >= n - async_level, or n - max_off_policy_steps
+where that is set (checked before sending); async_level 0 is fully on-policy.
 """
 
 from __future__ import annotations
@@ -155,10 +155,19 @@ async def sync_policy(
     return PolicySync(version=latest, reloaded_step=latest, wait_s=wait_s, reload_s=reload_s, probe_logprobs=tuple(probes))
 
 
-def check_async_bound(items: list[ScoredRollout], step: int, async_level: int) -> None:
+def off_policy_bound(cfg: OrchestratorConfig) -> tuple[int, str]:
+    """How many versions behind its step a sample may be, and the setting that says so:
+    `max_off_policy_steps` with continuous batching where set, else `async_level`."""
+    if cfg.max_off_policy_steps is None or cfg.batching == "step":
+        return cfg.async_level, "async_level"
+    return cfg.max_off_policy_steps, "max_off_policy_steps"
+
+
+def check_async_bound(items: list[ScoredRollout], step: int, cfg: OrchestratorConfig) -> None:
+    bound, knob = off_policy_bound(cfg)
     oldest = min(item.policy_version for item in items)
-    if oldest < step - async_level:  # a bug, never a user error: the sync step must prevent it
-        raise RuntimeError(f"step {step}: a sample of policy version {oldest} breaks async_level {async_level}")
+    if oldest < step - bound:  # a bug, never a user error: the sync step and the pool must prevent it
+        raise RuntimeError(f"step {step}: a sample of policy version {oldest} breaks {knob} {bound}")
 
 
 # --------------------------------------------------------------------------- (f) metrics
@@ -308,6 +317,7 @@ def start_generation(cfg: OrchestratorConfig, envs, order: ExampleOrder, sampler
         envs, order, sampler, rollouts_per_example=cfg.rollouts_per_example, groups_per_step=groups,
         async_level=cfg.async_level,
         max_inflight=groups if one_step else cfg.max_inflight_groups or (cfg.async_level + 1) * groups,
+        max_off_policy=off_policy_bound(cfg)[0],
         version=lambda: client.version, pending=pending, log=log, max_steps=cfg.max_steps, one_step=one_step,
         limiter=limiter, timeouts=[env_cfg.episode_timeout_s for env_cfg in cfg.env],
     )
@@ -456,7 +466,7 @@ def scored_items(batch: StepBatch, cfg: OrchestratorConfig, step: int) -> list[S
         ScoredRollout(r, float(a), group.version, name, newest[group.seq])
         for (group, name, r), a in zip(rollouts, advantages, strict=True)
     ]
-    check_async_bound(items, step, cfg.async_level)
+    check_async_bound(items, step, cfg)
     return items
 
 

@@ -112,7 +112,8 @@ def train(cfg: TrainerConfig) -> None:
             if step > start and checkpoint_due(step, cfg.ckpt.interval, cfg.max_steps):
                 checkpoint(model, optimizer, scheduler, cfg, step, world, heartbeat)
             t_ckpt = time.perf_counter()
-            # 1. rollouts for this step (sampled by policy versions in [step - async_level, step])
+            # 1. rollouts for this step (sampled by policy versions in [step - async_level, step]; or
+            #    from step - orchestrator.max_off_policy_steps, where that is set)
             with heartbeat.waiting(f"batch of step {step} from {receiver.address}"):
                 batch = receiver.receive(step)
             t_batch = time.perf_counter()

@@ -223,6 +223,9 @@ class OrchestratorConfig(StrictModel):
     max_inflight_groups: int | None = Field(None, ge=1)
     """Most groups in flight at once with `continuous` batching; None = (async_level + 1) x the groups of one step, all that the async bound can use."""
 
+    max_off_policy_steps: int | None = Field(None, ge=0)
+    """With `continuous` batching, the oldest policy version step n may train on: n - max_off_policy_steps (at least `async_level`). Above `async_level`, groups start in every free slot while the step being cut may train them (its version >= that step - `async_level`), so more start than a step needs: the step takes the first to complete, and the stragglers land in later steps within this bound (as the reference trainer's `max_off_policy_steps`). None = `async_level`: each step starts its own groups and waits for every one that would otherwise go stale. The step barrier (`batching = "step"`) trains each group in its own step: no effect there."""
+
     seq_len: int = Field(512, ge=8)
     """Maximum tokens (prompt + completion) per sample."""
 
@@ -255,6 +258,8 @@ class OrchestratorConfig(StrictModel):
             raise ValueError(
                 f"batch_size ({self.batch_size}) must be at least num_trainer_ranks ({self.num_trainer_ranks}): every rank needs a sample"
             )
+        if self.max_off_policy_steps is not None and self.max_off_policy_steps < self.async_level:
+            raise ValueError(f"max_off_policy_steps ({self.max_off_policy_steps}) must be at least async_level ({self.async_level})")
         if self.teacher is not None and self.teacher_system_prompt is not None:
             raise ValueError("teacher_system_prompt is for a teacher in the trainer; a served teacher's is teacher.system_prompt")
         return self
