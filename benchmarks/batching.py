@@ -17,6 +17,9 @@ that drift in the machine's speed hits both alike. Regimes:
   thread and the orchestrator on core 1): the quickstart, and multi-turn alphabet-sort whose
   episodes vary within a step (`benchmarks/configs/long-tail.toml`: 1-4 turns, replies of
   1-8 names, 64 rollouts a step), on the same SFT warm-up as `multi-turn`.
+- `long-tail-disjoint-off-policy-2`: the long tail with `orchestrator.max_off_policy_steps = 2`
+  (more groups start than a step needs; a step takes the first to complete, its stragglers
+  land in later steps) and `client.inflight_kv = "keep"`; neither changes the step barrier.
 
 Per run, after the first step (start-up): rollouts per second (rollouts trained / seconds
 between the trainer's first and last step), the trainer's idle share (its mean
@@ -59,6 +62,8 @@ class Setting:
     quick_steps: int
     disjoint: bool = False
     """vLLM and the trainer on cores of their own (``benchmarks.profile.DISJOINT``), as on two GPUs."""
+    flags: tuple[str, ...] = ()
+    """Flags over the config, for both modes (settings the step barrier does not use)."""
 
 
 ALPHABET_SORT = Recipe(data_args=("--env", "alphabet-sort", "--num-examples", "4000", "--args", ALPHABET_ARGS),
@@ -72,6 +77,9 @@ SETTINGS = {
                 disjoint=True),
         Setting("long-tail-disjoint", "benchmarks/configs/long-tail.toml", ALPHABET_SORT, steps=30, quick_steps=4,
                 disjoint=True),
+        Setting("long-tail-disjoint-off-policy-2", "benchmarks/configs/long-tail.toml", ALPHABET_SORT, steps=30,
+                quick_steps=4, disjoint=True,
+                flags=("--orchestrator.max-off-policy-steps", "2", "--orchestrator.client.inflight-kv", "keep")),
     )
 }
 
@@ -109,7 +117,7 @@ def measure(setting: Setting, steps: int, repeats: int, started: float) -> dict:
 
     def one(mode: str, seed: int) -> dict:
         out = WORK / "batching" / setting.name / f"{mode}-{seed}"
-        flags = ["--max-steps", str(steps), "--seed", str(seed), "--orchestrator.batching", mode]
+        flags = ["--max-steps", str(steps), "--seed", str(seed), "--orchestrator.batching", mode, *setting.flags]
         curve = run_prime_rl(setting.config, model, out, flags + list(DISJOINT_FLAGS if setting.disjoint else ()),
                              pin=DISJOINT if setting.disjoint else None)
         cores = {k: v for k, v in curve.profile.items() if k.startswith("cores/")}  # where the cores went

@@ -496,9 +496,11 @@ def targets(results: Path) -> list[tuple[str, float | None, bool | None]]:
     if "multi-turn" in batching:
         rows.append(("multi-turn: continuous batching >= 1.3x the rollouts/s of the step barrier",
                      batching["multi-turn"]["ratios"].get("rollouts_per_s continuous/step"), lambda v: v >= 1.3))
-    if "long-tail-disjoint" in batching:
-        rows.append(("disjoint cores, long-tailed multi-turn: continuous batching >= 1.3x the rollouts/s of the step barrier",
-                     batching["long-tail-disjoint"]["ratios"].get("rollouts_per_s continuous/step"), lambda v: v >= 1.3))
+    for name in (n for n in batching if n.startswith("long-tail-disjoint")):  # the regime, and its schedule variants
+        variant = name.removeprefix("long-tail-disjoint").lstrip("-")
+        rows.append((f"disjoint cores, long-tailed multi-turn{f' ({variant})' if variant else ''}: continuous batching "
+                     ">= 1.3x the rollouts/s of the step barrier",
+                     batching[name]["ratios"].get("rollouts_per_s continuous/step"), lambda v: v >= 1.3))
     if distill := load("distill").get("distill"):  # issue 40's, medians over seeds
         ratios = distill.get("ratios", {})
         for mode in (m for m in ("distill", "distill-x1", "mix") if m in distill.get("figures", {})):

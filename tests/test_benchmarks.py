@@ -342,12 +342,15 @@ def test_batching_figures_bound_rollouts_by_the_trainer_alone(tmp_path):
     assert f["trainer_idle_share"] == pytest.approx(1 / 5)
 
 
-def test_the_disjoint_long_tail_target_reads_its_own_regime(tmp_path):
+def test_the_disjoint_long_tail_target_reads_its_own_regime_and_each_schedule_variant(tmp_path):
     (tmp_path / "batching.json").write_text(json.dumps({"batching": {
-        "long-tail-disjoint": {"ratios": {"rollouts_per_s continuous/step": 0.9}, "medians": {"continuous": {}}}}}))
+        "long-tail-disjoint": {"ratios": {"rollouts_per_s continuous/step": 0.9}, "medians": {"continuous": {}}},
+        "long-tail-disjoint-off-policy-2": {"ratios": {"rollouts_per_s continuous/step": 1.4}, "medians": {"continuous": {}}}}}))
     rows = {name: (value, holds) for name, value, holds in bench.targets(tmp_path)}
     assert rows["disjoint cores, long-tailed multi-turn: continuous batching >= 1.3x the rollouts/s of the step barrier"] \
         == (0.9, False)
+    assert rows["disjoint cores, long-tailed multi-turn (off-policy-2): continuous batching >= 1.3x the rollouts/s of "
+                "the step barrier"] == (1.4, True)
 
 
 @pytest.mark.skipif(len(__import__("os").sched_getaffinity(0)) < 2, reason="needs two cores to pin to one of them")
