@@ -318,9 +318,9 @@ class GroupPool:
         """Whether the ``j``-th group not yet in a batch may start: a slot is free and the
         version served now may train the step it would land in (in start order; no step past
         the horizon). With ``max_off_policy`` above ``async_level``, any free slot (counting
-        the groups not yet sent: taken, completed, in flight) while the step being cut may train it: more
-        groups start than a step needs, the step takes the first to complete and the rest
-        land in later steps."""
+        the groups not yet sent: taken, completed, in flight) while the step being cut may
+        train it: more groups start than a step needs, the step takes the first to complete
+        and the rest land in later steps."""
         lands = next_step + j // self.k
         if self._horizon is not None and lands >= self._horizon:
             return False
